@@ -1,0 +1,232 @@
+"""Whether the Triton path can run: Triton imports, and the tensor lives on a CUDA device.
+
+Also the few helpers every kernel file shares: a stand-in ``triton``/``tl`` where Triton is
+missing (so the kernel files still import and their torch references still run), launch
+configs that collapse to one under the interpreter, and a per-shape "is the kernel faster than
+the torch path" decision measured once on CUDA.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+try:  # Triton is Linux-only; macOS and Windows run the torch references.
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - depends on the platform
+    HAS_TRITON = False
+
+    class _Stub:
+        """Lets ``@triton.jit`` and ``tl.constexpr`` annotations evaluate without Triton; the
+        decorated kernels are never launched because ``use_triton`` is False."""
+
+        constexpr = int
+
+        @staticmethod
+        def jit(fn: Any = None, **_: Any) -> Any:
+            return fn if fn is not None else (lambda f: f)
+
+        def __getattr__(self, name: str) -> Any:
+            raise RuntimeError(f"Triton is not installed (triton.{name})")
+
+    triton = _Stub()  # type: ignore[assignment]
+    tl = _Stub()  # type: ignore[assignment]
+
+# Under TRITON_INTERPRET=1 the kernels run on CPU tensors, which is how CI tests them.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+__all__ = [
+    "HAS_TRITON",
+    "INTERPRET",
+    "Config",
+    "dot_fp32",
+    "gemm_backend_choice",
+    "launch_configs",
+    "next_power_of_2",
+    "num_sms",
+    "tl",
+    "triton",
+    "use_triton",
+]
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    return HAS_TRITON and t.is_cuda
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def dot_fp32(t: torch.Tensor) -> bool:
+    """Whether a kernel must upcast its tl.dot operands to fp32.
+
+    The interpreter computes bf16 on raw uint16 values, so everything is upcast there; fp32
+    inputs keep full IEEE precision (no TF32) so GPU results match the fp32 reference.
+    """
+    return INTERPRET or t.dtype == torch.float32
+
+
+@functools.lru_cache(maxsize=None)
+def _device_props(index: int) -> tuple[int, int, int]:
+    p = torch.cuda.get_device_properties(index)
+    return p.major, p.minor, p.multi_processor_count
+
+
+def capability(t: torch.Tensor) -> tuple[int, int]:
+    if not t.is_cuda:
+        return (0, 0)
+    major, minor, _ = _device_props(t.device.index or 0)
+    return major, minor
+
+
+def num_sms(t: torch.Tensor) -> int:
+    """Streaming multiprocessors of the tensor's device; a nominal 8 under the interpreter, so
+    the occupancy heuristics still pick split-K paths on tiny test shapes."""
+    if not t.is_cuda:
+        return 8
+    return _device_props(t.device.index or 0)[2]
+
+
+class Config:
+    """A launch configuration: meta-parameters plus num_warps/num_stages.
+
+    A plain class rather than ``triton.Config`` so the config tables exist without Triton.
+    """
+
+    __slots__ = ("kwargs", "num_stages", "num_warps")
+
+    def __init__(self, kwargs: dict[str, int], num_warps: int = 4, num_stages: int = 3) -> None:
+        self.kwargs = kwargs
+        self.num_warps = num_warps
+        self.num_stages = num_stages
+
+    def to_triton(self) -> Any:
+        return triton.Config(dict(self.kwargs), num_warps=self.num_warps, num_stages=self.num_stages)
+
+    def __repr__(self) -> str:
+        return f"Config({self.kwargs}, num_warps={self.num_warps}, num_stages={self.num_stages})"
+
+
+def launch_configs(configs: Sequence[Config]) -> list[Config]:
+    """Autotuning with more than one config needs a GPU driver, so the interpreter gets the
+    first (smallest-footprint) config only."""
+    return list(configs[:1]) if INTERPRET else list(configs)
+
+
+def make_autotuner(fn: Any, configs: Sequence[Config], key: list[str]) -> Any:
+    """Wraps a jitted kernel in ``triton.autotune``; results persist on disk where supported."""
+    kwargs: dict[str, Any] = {"configs": [c.to_triton() for c in launch_configs(configs)], "key": key}
+    try:
+        return triton.autotune(cache_results=True, **kwargs)(fn)
+    except TypeError:  # pragma: no cover - triton < 3.2 has no cache_results
+        return triton.autotune(**kwargs)(fn)
+
+
+# --- per-shape backend choice -------------------------------------------------------------------
+
+# LOCALLLM_GEMM_BACKEND=triton|torch pins the quantized GEMM dispatchers (benchmarks, bisecting);
+# the default measures once per shape and keeps the faster.
+_FORCED = os.environ.get("LOCALLLM_GEMM_BACKEND", "auto").lower()
+_CHOICES: dict[tuple[Any, ...], str] = {}
+
+
+def _time_ms(fn: Callable[[], Any], iters: int = 10) -> float:
+    for _ in range(2):  # the first call may compile or autotune
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def gemm_backend_choice(key: tuple[Any, ...], candidates: dict[str, Callable[[], Any]]) -> str:
+    """Name of the fastest candidate for this shape key, measured on first use and cached.
+
+    The first candidate is the kernel; it is also the answer while a CUDA graph is being
+    captured (timing would break the capture) and when LOCALLLM_GEMM_BACKEND=triton. Every
+    other candidate is a torch path; LOCALLLM_GEMM_BACKEND=torch picks the last one.
+    """
+    names = list(candidates)
+    if _FORCED == "triton":
+        return names[0]
+    if _FORCED == "torch":
+        return names[-1]
+    hit = _CHOICES.get(key)
+    if hit is not None:
+        return hit
+    if torch.cuda.is_current_stream_capturing():
+        return names[0]
+    times: dict[str, float] = {}
+    for name, fn in candidates.items():
+        try:
+            times[name] = _time_ms(fn)
+        except Exception:  # noqa: BLE001 - a candidate the device cannot run is simply not chosen
+            times[name] = float("inf")
+    best = min(times, key=times.__getitem__)
+    _CHOICES[key] = best
+    return best
+
+
+def gemm_choices() -> dict[tuple[Any, ...], str]:
+    """The decisions made so far (for benchmarks and logs)."""
+    return dict(_CHOICES)
+
+
+def m_bucket(m: int) -> int:
+    """Shape decisions are keyed by a power-of-two bucket of M so decode batch sizes 1..512
+    cost a handful of measurements, not one each."""
+    return min(next_power_of_2(m), 1024)
+
+
+# One int32 counter per output tile, for split-K kernels whose last-arriving program does the
+# reduction. Programs reset their counter after use, so a buffer is zero between launches; one
+# buffer per device is safe because kernels on one stream never overlap.
+_SPLITK_LOCKS: dict[torch.device, torch.Tensor] = {}
+
+
+def splitk_locks(device: torch.device, n: int) -> torch.Tensor:
+    locks = _SPLITK_LOCKS.get(device)
+    if locks is None or locks.numel() < n:
+        locks = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _SPLITK_LOCKS[device] = locks
+    return locks
+
+
+@triton.jit
+def round_to_e4m3_grid(x):
+    """Rounds fp32 values (already clamped to +-448) to the nearest e4m3 value, ties to even.
+
+    Only for the interpreter: its fp32 -> fp8 cast drops the carry when rounding crosses a power
+    of two (127.9 becomes 64). After this the cast is exact. GPUs cast correctly in hardware.
+    """
+    a = tl.abs(x)
+    e = tl.maximum(tl.floor(tl.math.log2(tl.maximum(a, 1e-30))), -6.0)
+    step = tl.math.exp2(e - 3.0)
+    t = a / step
+    f = tl.floor(t)
+    d = t - f
+    odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
+    r = (f + tl.where((d > 0.5) | ((d == 0.5) & odd), 1.0, 0.0)) * step
+    return tl.where(x < 0, -r, r)
+
+
+@triton.jit
+def round_half_even(x):
+    """Round to nearest integer, ties to even (torch.round's rule), in fp32 arithmetic; a
+    float-to-int cast alone would truncate toward zero."""
+    f = tl.floor(x)
+    d = x - f
+    odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
+    return f + tl.where((d > 0.5) | ((d == 0.5) & odd), 1.0, 0.0)

@@ -1,0 +1,342 @@
+"""AWQ int4 GEMM/GEMV with the dequantization inside the kernel.
+
+Format (AutoAWQ ``WQLinear_GEMM``, also what vLLM and HF load):
+- qweight: int32 [K, N // 8]; nibble i (bits 4i..4i+3) of word j in a row holds column
+  ``8 * j + AWQ_ORDER[i]``, AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]; so column 8j + c sits in
+  nibble AWQ_REVERSE_ORDER[c] = [0, 4, 1, 5, 2, 6, 3, 7][c].
+- qzeros: int32 [K // G, N // 8], packed the same way; zeros are stored as is (no +1 offset).
+- scales: fp16 [K // G, N].
+- w[k, n] = (q[k, n] - z[k // G, n]) * s[k // G, n]; y = x @ w.
+
+The kernel, ``_awq_gemm_kernel``, reads the packed words once per tile and unpacks all eight
+nibbles in registers. For fp16 activations it builds the fp16 value with the magic-number trick
+(``0x6400 | q`` is 1024 + q), avoiding int-to-float conversions, which run at a fraction of
+the FMA rate and would bound a batch-1 GEMV below the memory roofline. Small M (decode) uses
+split-K so that a 4096-wide layer still spreads over every SM; the program that finishes a
+tile last sums the slices (no extra launch, no memset).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from localllm.kernels._triton import (
+    INTERPRET,
+    Config,
+    dot_fp32,
+    gemm_backend_choice,
+    m_bucket,
+    make_autotuner,
+    splitk_locks,
+    tl,
+    triton,
+    use_triton,
+)
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
+_SHIFTS = tuple(range(0, 32, 4))
+
+
+def awq_pack(intweight: torch.Tensor) -> torch.Tensor:
+    """[R, N] integers in 0..15 (K rows of weights, or K // G rows of zeros) -> int32 [R, N // 8]."""
+    rows, n = intweight.shape
+    assert n % 8 == 0, "AWQ packs 8 columns per int32"
+    w = intweight.to(torch.int32).reshape(rows, n // 8, 8) & 0xF
+    packed = torch.zeros((rows, n // 8), dtype=torch.int32, device=intweight.device)
+    for i, col in enumerate(AWQ_ORDER):
+        packed |= w[:, :, col] << (4 * i)  # bit 31 may be set: int32 wraps, as in AutoAWQ
+    return packed
+
+
+def awq_unpack(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [R, N // 8] -> int32 [R, N] in logical column order (values 0..15)."""
+    rows, words = packed.shape
+    shifts = torch.tensor(_SHIFTS, dtype=torch.int32, device=packed.device)
+    nibbles = (packed[:, :, None] >> shifts) & 0xF  # [R, N/8, 8], nibble i
+    order = torch.tensor(AWQ_REVERSE_ORDER, device=packed.device)
+    return nibbles.index_select(2, order).reshape(rows, words * 8)
+
+
+def awq_dequantize(
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """[K, N] dense weights (the ``w`` of ``y = x @ w``) in ``dtype`` (default: scales')."""
+    k = qweight.shape[0]
+    n = scales.shape[1]
+    q = awq_unpack(qweight).view(k // group_size, group_size, n)
+    z = awq_unpack(qzeros)[:, None, :]
+    s = scales.float()[:, None, :]
+    # (q - z) is a small exact integer and s has 11 significant bits, so fp32 holds the product
+    # exactly: one rounding, to the target dtype, as in the kernel.
+    return ((q - z).float() * s).view(k, n).to(dtype or scales.dtype)
+
+
+def awq_gemm_ref(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+) -> torch.Tensor:
+    """Dequantize, then matmul in x's dtype. x: [..., K] -> [..., N]."""
+    w = awq_dequantize(qweight, qzeros, scales, group_size, x.dtype)
+    return x @ w
+
+
+# --- Triton ---------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _unpack_awq_tile(packed, shifts, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[ROWS, BLOCK_N // 8] int32 -> [ROWS, BLOCK_N] nibbles in logical column order."""
+    wide = tl.reshape(tl.broadcast_to(packed[:, :, None], (ROWS, BLOCK_N // 8, 8)), (ROWS, BLOCK_N))
+    return (wide >> shifts[None, :]) & 0xF
+
+
+@triton.jit
+def _awq_gemm_kernel(
+    x_ptr,
+    qweight_ptr,
+    qzeros_ptr,
+    scales_ptr,
+    out_ptr,
+    ws_ptr,
+    locks_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_om,
+    M_BUCKET,  # only an autotune key
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    FP16_MAGIC: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    # Grouped order: consecutive programs share weight columns, which then stay in L2.
+    pids_per_group = GROUP_M * num_pid_n
+    first_m = (pid // pids_per_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % pids_per_group) % group_rows
+    pid_n = (pid % pids_per_group) // group_rows
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_pn = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    pn_ok = offs_pn < N // 8
+    # Column c lives in nibble AWQ_REVERSE_ORDER[c % 8] = (c % 8) // 2 + 4 * (c % 2).
+    shifts = (((offs_n % 8) // 2) + (offs_n % 2) * 4) * 4
+
+    # A K tile holds GROUPS_PER_TILE whole groups, or lies inside one group.
+    GROUPS_PER_TILE: tl.constexpr = BLOCK_K // GROUP_SIZE if BLOCK_K > GROUP_SIZE else 1
+    ROWS_PER_GROUP: tl.constexpr = BLOCK_K // GROUPS_PER_TILE
+    num_groups = K // GROUP_SIZE
+
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    tiles_per_split = tl.cdiv(k_tiles, SPLIT_K)
+    kt_lo = pid_k * tiles_per_split
+    kt_hi = tl.minimum(kt_lo + tiles_per_split, k_tiles)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kt in range(kt_lo, kt_hi):
+        offs_k = kt * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        packed = tl.load(
+            qweight_ptr + offs_k[:, None].to(tl.int64) * (N // 8) + offs_pn[None, :],
+            mask=k_ok[:, None] & pn_ok[None, :],
+            other=0,
+        )
+        q = _unpack_awq_tile(packed, shifts, BLOCK_K, BLOCK_N)
+
+        offs_g = (kt * BLOCK_K) // GROUP_SIZE + tl.arange(0, GROUPS_PER_TILE)
+        g_ok = offs_g < num_groups
+        zp = tl.load(
+            qzeros_ptr + offs_g[:, None] * (N // 8) + offs_pn[None, :], mask=g_ok[:, None] & pn_ok[None, :], other=0
+        )
+        z = _unpack_awq_tile(zp, shifts, GROUPS_PER_TILE, BLOCK_N)
+        s = tl.load(scales_ptr + offs_g[:, None] * N + offs_n[None, :], mask=g_ok[:, None] & n_ok[None, :], other=0.0)
+
+        if FP16_MAGIC:
+            # 0x6400 | v is the fp16 bit pattern of 1024 + v: exact, and no int->float convert.
+            qf = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+            zf = (z | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+            s = s.to(tl.float16)
+        else:
+            # Same trick in fp32: 0x4B000000 | v is 2**23 + v.
+            qf = (q | 0x4B000000).to(tl.float32, bitcast=True)
+            zf = (z | 0x4B000000).to(tl.float32, bitcast=True)
+            s = s.to(tl.float32)
+        if GROUPS_PER_TILE == 1:
+            w = (qf - zf) * s
+        else:
+            w = tl.reshape(
+                (tl.reshape(qf, (GROUPS_PER_TILE, ROWS_PER_GROUP, BLOCK_N)) - zf[:, None, :]) * s[:, None, :],
+                (BLOCK_K, BLOCK_N),
+            )
+        if DOT_FP32:
+            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w.to(x.dtype), acc)
+
+    offs_out = offs_m[:, None] * stride_om + offs_n[None, :]
+    out_mask = m_ok[:, None] & n_ok[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptr + offs_out, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # Publish this slice, then count arrivals; the last program of the tile reduces.
+        offs_ws = offs_m[:, None] * N + offs_n[None, :]
+        tl.store(ws_ptr + pid_k * M * N + offs_ws, acc, mask=out_mask)
+        tile = pid_m * num_pid_n + pid_n
+        arrived = tl.atomic_add(locks_ptr + tile, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s_idx in range(SPLIT_K):
+                total += tl.load(ws_ptr + s_idx * M * N + offs_ws, mask=out_mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + offs_out, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(locks_ptr + tile, 0)  # ready for the next launch
+
+
+GEMV_MAX_M = 16
+MAX_SPLIT_K = 8
+
+# Batch <= 16 is bandwidth-bound: wide N tiles keep each row's read to 64-128 contiguous
+# bytes, and split-K gives ~2 programs per SM even for N = 4096.
+_GEMV_CONFIGS = [
+    Config({"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 4, "GROUP_M": 1}, 4, 4),
+    Config({"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 8, "GROUP_M": 1}, 4, 4),
+    Config({"BLOCK_M": 16, "BLOCK_N": 256, "BLOCK_K": 128, "SPLIT_K": 8, "GROUP_M": 1}, 8, 3),
+    Config({"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 256, "SPLIT_K": 2, "GROUP_M": 1}, 4, 3),
+    Config({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 4, "GROUP_M": 1}, 4, 4),
+    Config({"BLOCK_M": 16, "BLOCK_N": 256, "BLOCK_K": 64, "SPLIT_K": 1, "GROUP_M": 1}, 4, 4),
+]
+_GEMM_CONFIGS = [
+    Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 1, "GROUP_M": 8}, 4, 4),
+    Config({"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1, "GROUP_M": 8}, 4, 3),
+    Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 1, "GROUP_M": 8}, 8, 3),
+    Config({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "SPLIT_K": 1, "GROUP_M": 8}, 8, 3),
+    Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1, "GROUP_M": 8}, 4, 4),
+]
+# The interpreter's defaults: small tiles that still exercise split-K and multi-group tiles.
+_INTERPRET_GEMV = Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 2, "GROUP_M": 1}, 4, 1)
+_INTERPRET_GEMM = Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 1, "GROUP_M": 4}, 4, 1)
+
+_tuned: dict[tuple[bool, int], object] = {}
+
+
+def _group_fits(block_k: int, group_size: int) -> bool:
+    return block_k % group_size == 0 or group_size % block_k == 0
+
+
+def _autotuned(gemv: bool, group_size: int) -> object:
+    """One autotuner per (GEMV or GEMM, group size): each gets only the configs whose K tile
+    fits the group layout."""
+    key = (gemv, group_size)
+    if key not in _tuned:
+        configs = [c for c in (_GEMV_CONFIGS if gemv else _GEMM_CONFIGS) if _group_fits(c.kwargs["BLOCK_K"], group_size)]
+        assert configs, f"no AWQ config fits group size {group_size}"
+        _tuned[key] = make_autotuner(
+            _awq_gemm_kernel, configs, key=["M_BUCKET", "N", "K", "GROUP_SIZE", "FP16_MAGIC", "DOT_FP32"]
+        )
+    return _tuned[key]
+
+
+def awq_gemm_triton(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    *,
+    config: Config | None = None,
+) -> torch.Tensor:
+    """Triton implementation of ``awq_gemm_ref``. ``config`` pins the launch (tests); without
+    it a GPU autotunes once per shape bucket and the interpreter uses small fixed tiles."""
+    k = x.shape[-1]
+    n = qweight.shape[1] * 8
+    assert qweight.shape[0] == k and scales.shape == (k // group_size, n) and qzeros.shape == (k // group_size, n // 8)
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out.view(*x.shape[:-1], n)
+    gemv = m <= GEMV_MAX_M
+    consts = dict(
+        GROUP_SIZE=group_size,
+        FP16_MAGIC=x.dtype == torch.float16,
+        DOT_FP32=dot_fp32(x),
+    )
+    max_split = MAX_SPLIT_K if gemv else 1
+    if config is None and INTERPRET:
+        config = _INTERPRET_GEMV if gemv else _INTERPRET_GEMM
+    if config is not None:
+        max_split = config.kwargs["SPLIT_K"]
+    # Split-K scratch: fp32 slices and per-tile arrival counters, used only when SPLIT_K > 1.
+    if max_split > 1:
+        ws = torch.empty((max_split * m * n,), dtype=torch.float32, device=x.device)
+        locks = splitk_locks(x.device, triton.cdiv(m, 16) * triton.cdiv(n, 16))
+    else:
+        ws = locks = out
+    args = (x2, qweight, qzeros, scales, out, ws, locks, m, n, k, x2.stride(0), out.stride(0), m_bucket(m))
+
+    def grid(meta: dict) -> tuple[int, int]:
+        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])
+
+    if config is not None:
+        _check_group(config.kwargs["BLOCK_K"], group_size)
+        _awq_gemm_kernel[grid](
+            *args, **consts, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages
+        )
+    else:
+        _autotuned(gemv, group_size)[grid](*args, **consts)  # type: ignore[index]
+    return out.view(*x.shape[:-1], n)
+
+
+def _check_group(block_k: int, group_size: int) -> None:
+    assert _group_fits(block_k, group_size), f"group size {group_size} does not fit the K tile {block_k}"
+
+
+def awq_gemm(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+) -> torch.Tensor:
+    """y = x @ dequant(qweight); x: [..., K] -> [..., N] in x.dtype.
+
+    On CUDA the Triton kernel runs where it was measured faster than dequantize-then-matmul
+    for this shape (once, on first use); elsewhere the torch reference runs.
+    """
+    if use_triton(x):
+        k = x.shape[-1]
+        n = qweight.shape[1] * 8
+        m = x.numel() // k if k else 0
+        key = ("awq", m_bucket(m), n, k, group_size, x.dtype, x.device.index)
+        choice = gemm_backend_choice(
+            key,
+            {
+                "triton": lambda: awq_gemm_triton(x, qweight, qzeros, scales, group_size),
+                "torch": lambda: awq_gemm_ref(x, qweight, qzeros, scales, group_size),
+            },
+        )
+        if choice == "triton":
+            return awq_gemm_triton(x, qweight, qzeros, scales, group_size)
+    return awq_gemm_ref(x, qweight, qzeros, scales, group_size)

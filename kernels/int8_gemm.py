@@ -1,0 +1,357 @@
+"""INT8 GEMMs with per-output-channel weight scales: W8A16 and W8A8.
+
+- w: int8 [N, K] (nn.Linear layout), w_scale: fp32 [N]; y = x @ (w * w_scale[:, None]).T.
+- W8A16 multiplies the activations as they are. W8A8 first quantizes each row (token) of x
+  symmetrically to int8 with its own scale (``quantize_per_token_int8``), multiplies int8 by
+  int8 into int32, and applies both scales in the epilogue.
+
+``_int8_gemm_kernel`` serves both (``A8`` constexpr); ``_quant_int8_kernel`` is W8A8's
+per-token quantization prologue, kept here because nothing else uses it. Small M (decode)
+uses split-K with in-kernel reduction by the last-arriving program, as in awq_gemm.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from localllm.kernels._triton import (
+    INTERPRET,
+    Config,
+    dot_fp32,
+    gemm_backend_choice,
+    m_bucket,
+    make_autotuner,
+    next_power_of_2,
+    round_half_even,
+    splitk_locks,
+    tl,
+    triton,
+    use_triton,
+)
+
+_EPS = 1e-10
+
+
+def quantize_per_token_int8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (xq int8 [M, K], x_scale fp32 [M]) with x ~= xq * x_scale[:, None].
+
+    Symmetric, scale = max|row| / 127, round half to even; an all-zero row gets a tiny scale
+    and zeros."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1).clamp(min=_EPS) / 127.0
+    xq = torch.round(xf / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return xq, scale
+
+
+def int8_w8a16_gemm_ref(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """x [..., K] (fp16/bf16/fp32) @ dequant(w).T -> [..., N] in x.dtype.
+
+    CPU bf16 uses ``_weight_int8pack_mm`` (the fast CPU int8 path); fp32 scales after the
+    matmul (no [N, K] scaled copy, and fp32 cannot overflow); fp16/bf16 on GPU dequantize
+    first, since unscaled int8 sums could overflow fp16.
+    """
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x.dtype == torch.bfloat16 and not x.is_cuda and x2.shape[0] > 0:
+        out = torch._weight_int8pack_mm(x2.contiguous(), w, w_scale.to(torch.bfloat16))
+    elif x.dtype == torch.float32:
+        out = (x2 @ w.t().to(torch.float32)) * w_scale
+    else:
+        out = x2 @ (w.to(torch.float32) * w_scale[:, None]).to(x.dtype).t()
+    return out.view(*shape[:-1], w.shape[0])
+
+
+def _int_mm_ok(x: torch.Tensor, m: int, k: int, n: int) -> bool:
+    # cuBLAS int8 GEMM needs M > 16 and K, N multiples of 8; the CPU kernel takes any shape.
+    return not x.is_cuda or (m > 16 and k % 8 == 0 and n % 8 == 0)
+
+
+def int8_w8a8_gemm_ref(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """Per-token int8 quantization of x, int8 x int8 -> int32 matmul, both scales applied.
+
+    ``torch._int_mm`` where the shape allows (on CPU it is the fastest int8 matmul there is),
+    else an fp32 emulation of the integer product.
+    """
+    shape = x.shape
+    k, n = shape[-1], w.shape[0]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    xq, x_scale = quantize_per_token_int8_ref(x2)
+    if m == 0:
+        acc = torch.zeros((0, n), dtype=torch.float32, device=x.device)
+    elif _int_mm_ok(x, m, k, n):
+        acc = torch._int_mm(xq, w.t()).float()
+    else:
+        acc = xq.float() @ w.float().t()
+    out = acc * x_scale[:, None] * w_scale[None, :]
+    return out.to(x.dtype).view(*shape[:-1], n)
+
+
+# --- Triton ---------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _quant_int8_kernel(x_ptr, xq_ptr, scale_ptr, K, stride_xm, stride_qm, BLOCK_K: tl.constexpr):
+    """One row per program: pass 1 finds max|x|, pass 2 quantizes (the row is re-read from L2)."""
+    row = tl.program_id(0).to(tl.int64)
+    amax = tl.zeros([BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + row * stride_xm + offs, mask=offs < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.max(amax, 0), 1e-10) / 127.0
+    tl.store(scale_ptr + row, scale)
+    for k0 in range(0, K, BLOCK_K):
+        offs = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + row * stride_xm + offs, mask=offs < K, other=0.0).to(tl.float32)
+        q = tl.clamp(round_half_even(tl.math.div_rn(x, scale)), -127.0, 127.0)
+        tl.store(xq_ptr + row * stride_qm + offs, q.to(tl.int8), mask=offs < K)
+
+
+@triton.jit
+def _int8_epilogue(acc, w_scale_ptr, x_scale_ptr, out_ptr, offs_m, offs_n, m_ok, n_ok, offs_out, A8: tl.constexpr):
+    y = acc.to(tl.float32) * tl.load(w_scale_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
+    if A8:
+        y = y * tl.load(x_scale_ptr + offs_m, mask=m_ok, other=0.0)[:, None]
+    tl.store(out_ptr + offs_out, y.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _int8_gemm_kernel(
+    x_ptr,
+    w_ptr,
+    w_scale_ptr,
+    x_scale_ptr,
+    out_ptr,
+    ws_ptr,
+    locks_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    M_BUCKET,  # only an autotune key
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    A8: tl.constexpr,
+    FP16_MAGIC: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pids_per_group = GROUP_M * num_pid_n
+    first_m = (pid // pids_per_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % pids_per_group) % group_rows
+    pid_n = (pid % pids_per_group) // group_rows
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    tiles_per_split = tl.cdiv(k_tiles, SPLIT_K)
+    kt_lo = pid_k * tiles_per_split
+    kt_hi = tl.minimum(kt_lo + tiles_per_split, k_tiles)
+
+    if A8:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w_rows = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn
+    for kt in range(kt_lo, kt_hi):
+        offs_k = kt * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0)
+        # [BLOCK_K, BLOCK_N] view of the [N, K] weight: each column is a contiguous K run.
+        w = tl.load(w_rows + offs_k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0)
+        if A8:
+            acc = tl.dot(x, w, acc, out_dtype=tl.int32)
+        elif DOT_FP32:
+            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        elif FP16_MAGIC:
+            # 0x6480 + w is the fp16 bit pattern of 1152 + w for w in [-128, 127]: exact and
+            # without int-to-float conversions, which run at 1/8 of the FMA rate.
+            wf = (w.to(tl.int16) + 0x6480).to(tl.float16, bitcast=True) - 1152.0
+            acc = tl.dot(x, wf, acc)
+        else:
+            acc = tl.dot(x, w.to(x.dtype), acc)
+
+    offs_out = offs_m[:, None] * stride_om + offs_n[None, :]
+    out_mask = m_ok[:, None] & n_ok[None, :]
+    if SPLIT_K > 1:
+        # Slices are summed in the accumulator's type (int32 stays exact), then the last
+        # program to arrive applies the epilogue.
+        offs_ws = offs_m[:, None] * N + offs_n[None, :]
+        tl.store(ws_ptr + pid_k * M * N + offs_ws, acc, mask=out_mask)
+        tile = pid_m * num_pid_n + pid_n
+        arrived = tl.atomic_add(locks_ptr + tile, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            acc = tl.load(ws_ptr + offs_ws, mask=out_mask, other=0, cache_modifier=".cg")
+            for s_idx in range(1, SPLIT_K):
+                acc += tl.load(ws_ptr + s_idx * M * N + offs_ws, mask=out_mask, other=0, cache_modifier=".cg")
+            _int8_epilogue(acc, w_scale_ptr, x_scale_ptr, out_ptr, offs_m, offs_n, m_ok, n_ok, offs_out, A8)
+            tl.atomic_xchg(locks_ptr + tile, 0)
+    else:
+        _int8_epilogue(acc, w_scale_ptr, x_scale_ptr, out_ptr, offs_m, offs_n, m_ok, n_ok, offs_out, A8)
+
+
+GEMV_MAX_M = 16
+MAX_SPLIT_K = 8
+
+_GEMV_CONFIGS = [
+    Config({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 4, "GROUP_M": 1}, 4, 4),
+    Config({"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 4, "GROUP_M": 1}, 4, 4),
+    Config({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 8, "GROUP_M": 1}, 4, 4),
+    Config({"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 256, "SPLIT_K": 2, "GROUP_M": 1}, 8, 3),
+    Config({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 1, "GROUP_M": 1}, 4, 4),
+]
+_GEMM_CONFIGS = [
+    Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1, "GROUP_M": 8}, 4, 4),
+    Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1, "GROUP_M": 8}, 8, 3),
+    Config({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "SPLIT_K": 1, "GROUP_M": 8}, 8, 3),
+    Config({"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1, "GROUP_M": 8}, 4, 4),
+    Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1, "GROUP_M": 8}, 4, 4),
+]
+_INTERPRET_GEMV = Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 2, "GROUP_M": 1}, 4, 1)
+_INTERPRET_GEMM = Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 1, "GROUP_M": 4}, 4, 1)
+
+_tuned: dict[bool, object] = {}
+
+
+def _autotuned(gemv: bool) -> object:
+    if gemv not in _tuned:
+        _tuned[gemv] = make_autotuner(
+            _int8_gemm_kernel,
+            _GEMV_CONFIGS if gemv else _GEMM_CONFIGS,
+            key=["M_BUCKET", "N", "K", "A8", "FP16_MAGIC", "DOT_FP32"],
+        )
+    return _tuned[gemv]
+
+
+def quantize_per_token_int8_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    xq = torch.empty((m, k), dtype=torch.int8, device=x.device)
+    scale = torch.empty((m,), dtype=torch.float32, device=x.device)
+    if m:
+        block_k = min(next_power_of_2(k), 4096)
+        _quant_int8_kernel[(m,)](x2, xq, scale, k, x2.stride(0), xq.stride(0), BLOCK_K=block_k, num_warps=4)
+    return xq, scale
+
+
+def quantize_per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (xq int8 [M, K], x_scale fp32 [M]); see ``quantize_per_token_int8_ref``."""
+    if use_triton(x):
+        return quantize_per_token_int8_triton(x)
+    return quantize_per_token_int8_ref(x.reshape(-1, x.shape[-1]))
+
+
+def _launch(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    config: Config | None,
+) -> torch.Tensor:
+    m, k = a.shape
+    n = w.shape[0]
+    assert w.shape[1] == k and w.stride(1) == 1 and w_scale.numel() == n
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if m == 0 or n == 0:
+        return out
+    a8 = a_scale is not None
+    gemv = m <= GEMV_MAX_M
+    if config is None and INTERPRET:
+        config = _INTERPRET_GEMV if gemv else _INTERPRET_GEMM
+    max_split = config.kwargs["SPLIT_K"] if config is not None else (MAX_SPLIT_K if gemv else 1)
+    if max_split > 1:
+        ws = torch.empty((max_split * m * n,), dtype=torch.int32 if a8 else torch.float32, device=a.device)
+        locks = splitk_locks(a.device, triton.cdiv(m, 16) * triton.cdiv(n, 16))
+    else:
+        ws = locks = out
+    w_scale = w_scale.reshape(n).to(torch.float32)
+    args = (a, w, w_scale, a_scale if a8 else w_scale, out, ws, locks, m, n, k,
+            a.stride(0), w.stride(0), out.stride(0), m_bucket(m))  # fmt: skip
+    consts = dict(A8=a8, FP16_MAGIC=not a8 and a.dtype == torch.float16, DOT_FP32=not a8 and dot_fp32(a))
+
+    def grid(meta: dict) -> tuple[int, int]:
+        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])
+
+    if config is not None:
+        _int8_gemm_kernel[grid](*args, **consts, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
+    else:
+        _autotuned(gemv)[grid](*args, **consts)  # type: ignore[index]
+    return out
+
+
+def int8_w8a16_gemm_triton(
+    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, *, config: Config | None = None
+) -> torch.Tensor:
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    return _launch(x2, w, w_scale, None, x.dtype, config).view(*shape[:-1], w.shape[0])
+
+
+def int8_w8a8_gemm_triton(
+    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, *, config: Config | None = None
+) -> torch.Tensor:
+    shape = x.shape
+    xq, x_scale = quantize_per_token_int8_triton(x.reshape(-1, shape[-1]))
+    return _launch(xq, w, w_scale, x_scale, x.dtype, config).view(*shape[:-1], w.shape[0])
+
+
+def _int_mm_path(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """The best torch route on CUDA: our quantization kernel, then cuBLAS int8."""
+    shape = x.shape
+    xq, x_scale = quantize_per_token_int8_triton(x.reshape(-1, shape[-1]))
+    acc = torch._int_mm(xq, w.t())
+    out = (acc.float() * x_scale[:, None] * w_scale.float()[None, :]).to(x.dtype)
+    return out.view(*shape[:-1], w.shape[0])
+
+
+def int8_w8a16_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ (w int8 [N, K] * w_scale[:, None]).T -> [..., N] in x.dtype."""
+    if use_triton(x):
+        k, n = x.shape[-1], w.shape[0]
+        key = ("int8_w8a16", m_bucket(x.numel() // max(k, 1)), n, k, x.dtype, x.device.index)
+        choice = gemm_backend_choice(
+            key,
+            {
+                "triton": lambda: int8_w8a16_gemm_triton(x, w, w_scale),
+                "torch": lambda: int8_w8a16_gemm_ref(x, w, w_scale),
+            },
+        )
+        if choice == "triton":
+            return int8_w8a16_gemm_triton(x, w, w_scale)
+    return int8_w8a16_gemm_ref(x, w, w_scale)
+
+
+def int8_w8a8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """Dynamic per-token int8 activations times int8 [N, K] weights -> [..., N] in x.dtype."""
+    if use_triton(x):
+        k, n = x.shape[-1], w.shape[0]
+        m = x.numel() // max(k, 1)
+        key = ("int8_w8a8", m_bucket(m), n, k, x.dtype, x.device.index)
+        candidates = {"triton": lambda: int8_w8a8_gemm_triton(x, w, w_scale)}
+        if _int_mm_ok(x, m, k, n):
+            candidates["int_mm"] = lambda: _int_mm_path(x, w, w_scale)
+        candidates["torch"] = lambda: int8_w8a8_gemm_ref(x, w, w_scale)
+        choice = gemm_backend_choice(key, candidates)
+        if choice == "triton":
+            return int8_w8a8_gemm_triton(x, w, w_scale)
+        if choice == "int_mm":
+            return _int_mm_path(x, w, w_scale)
+    return int8_w8a8_gemm_ref(x, w, w_scale)

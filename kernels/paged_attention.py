@@ -1,0 +1,491 @@
+"""Attention of a flat varlen batch of queries over the paged KV cache.
+
+Layout shared by every implementation:
+- q: [T, H, D], the new tokens of B sequences packed back to back, decodes first.
+- k_cache, v_cache: [num_blocks, block_size, KVH, D]; H is a multiple of KVH (GQA).
+- query_start_loc: [B + 1] int32, cumulative query lengths (cu_seqlens_q).
+- seq_lens: [B] int32, each sequence's total length after this step (cached prefix + new).
+- block_tables: [B, max_blocks] int32, row b lists sequence b's blocks in order.
+Query j of sequence b sits at position seq_lens[b] - q_len[b] + j and attends causally to
+keys 0..that position, all already written to the cache.
+
+An FP8 (e4m3) cache stores ``k / k_scale`` and ``v / v_scale``; pass the same per-tensor
+scales here (a python float or a 1-element fp32 tensor; tensors keep CUDA graphs replayable).
+
+The Triton path is one kernel, ``_paged_attention_kernel``, launched up to twice per call:
+- the ``num_decodes`` leading one-token sequences, one program per (sequence, KV head), with
+  the query heads of that KV head packed into the rows of one tile; when that gives too few
+  programs for the GPU, the same kernel runs split-K (flash-decoding): each program covers a
+  slice of the context and ``_reduce_splits_kernel`` merges the slices by their log-sum-exp;
+- the prefill/extend sequences, one program per (tile of query tokens x packed heads, KV head),
+  located by a binary search over query_start_loc so no host sync is needed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from localllm.kernels._triton import (
+    INTERPRET,
+    capability,
+    dot_fp32,
+    next_power_of_2,
+    num_sms,
+    tl,
+    triton,
+    use_triton,
+)
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+ScaleArg = float | torch.Tensor | None
+
+
+def _gather_kv(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
+    """[n_blocks] block ids -> the first ``length`` tokens as [KVH, length, D]."""
+    kv = cache[blocks].flatten(0, 1)[:length]
+    return kv.transpose(0, 1)
+
+
+def _dequant(kv: torch.Tensor, scale: ScaleArg, dtype: torch.dtype) -> torch.Tensor:
+    """Upcasts gathered FP8 cache entries; a no-op for an unquantized cache."""
+    if kv.dtype not in FP8_DTYPES:
+        return kv
+    kv = kv.to(dtype)
+    return kv if scale is None else kv * (scale.to(dtype) if isinstance(scale, torch.Tensor) else scale)
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    num_decodes: int = 0,
+    k_scale: ScaleArg = None,
+    v_scale: ScaleArg = None,
+) -> torch.Tensor:
+    """Computes in the cache dtype through SDPA (fp32 on CPU, where bf16 SDPA is 6-8x slower).
+
+    ``num_decodes`` leading sequences have exactly one query token; they are batched into one
+    masked SDPA call. The remaining (prefill/extend) sequences run one SDPA call each, which is
+    cheap next to their O(n^2) work. An FP8 cache is dequantized per gathered block, in q's
+    dtype, so the whole cache is never upcast.
+    """
+    out = torch.empty_like(q)
+    block_size = k_cache.shape[1]
+    fp8 = k_cache.dtype in FP8_DTYPES
+    if num_decodes:
+        lens = seq_lens[:num_decodes]
+        max_len = int(lens.max())
+        n_blocks = -(-max_len // block_size)
+        tables = block_tables[:num_decodes, :n_blocks]
+        k = k_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)  # [B, KVH, L, D]
+        v = v_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)
+        if fp8:
+            k, v = _dequant(k, k_scale, q.dtype), _dequant(v, v_scale, q.dtype)
+        mask = torch.arange(max_len, device=q.device)[None, :] < lens[:, None]
+        qd = q[:num_decodes].unsqueeze(2).to(k.dtype)  # [B, H, 1, D]
+        o = F.scaled_dot_product_attention(
+            qd, k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
+        )
+        out[:num_decodes] = o.squeeze(2).to(q.dtype)
+    starts = query_start_loc.tolist()
+    lens_list = seq_lens.tolist()
+    for b in range(num_decodes, len(lens_list)):
+        qs, qe, kv_len = starts[b], starts[b + 1], lens_list[b]
+        n_q = qe - qs
+        if n_q == 0:
+            continue
+        blocks = block_tables[b, : -(-kv_len // block_size)]
+        k = _gather_kv(k_cache, blocks, kv_len).unsqueeze(0)
+        v = _gather_kv(v_cache, blocks, kv_len).unsqueeze(0)
+        if fp8:
+            k, v = _dequant(k, k_scale, q.dtype), _dequant(v, v_scale, q.dtype)
+        qb = q[qs:qe].transpose(0, 1).unsqueeze(0).to(k.dtype)  # [1, H, n_q, D]
+        if n_q == kv_len:
+            o = F.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            mask = torch.ones(n_q, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - n_q)
+            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[qs:qe] = o.squeeze(0).transpose(0, 1).to(q.dtype)
+    return out
+
+
+# --- Triton ---------------------------------------------------------------------------------------
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _find_seq_idx(qsl_ptr, target, num_seqs, BLOCK_Q: tl.constexpr):
+    """Largest b whose first query tile index (qsl[b] - qsl[0]) // BLOCK_Q + b is <= target.
+
+    Giving every sequence one spare tile slot makes tile b's index computable from
+    query_start_loc alone, so the grid size needs no device-to-host copy.
+    """
+    base = tl.load(qsl_ptr)
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = (tl.load(qsl_ptr + mid) - base) // BLOCK_Q + mid
+        if first <= target:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    qsl_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    qk_scale,
+    num_seqs,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    QPKV: tl.constexpr,
+    HEAD_D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    TILE_N: tl.constexpr,
+    KV_BLOCK_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    IS_DECODE: tl.constexpr,
+    FP8_KV: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    if IS_DECODE:
+        seq = pid
+        q_block = 0
+    else:
+        seq = _find_seq_idx(qsl_ptr, pid, num_seqs, BLOCK_Q)
+        q_block = pid - ((tl.load(qsl_ptr + seq) - tl.load(qsl_ptr)) // BLOCK_Q + seq)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    if q_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_len = seq_len - q_len
+
+    # Row r of the tile is query token r // QPKV of this q-block, query head r % QPKV of this
+    # KV head's group: the group shares every K/V tile load and fills the MMA's M dimension.
+    rows = tl.arange(0, BLOCK_M)
+    tok = q_block * BLOCK_Q + rows // QPKV
+    head = kv_head * QPKV + rows % QPKV
+    row_ok = (rows // QPKV < BLOCK_Q) & (tok < q_len)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_D
+    q = tl.load(
+        q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    q_pos = ctx_len + tok
+
+    score_scale = qk_scale
+    if FP8_KV:
+        # k_scale is folded into the scores and v_scale into the output, so the FP8 tiles are
+        # only converted, never multiplied element by element.
+        score_scale = qk_scale * tl.load(k_scale_ptr)
+
+    # Causal: the last query of this tile sees keys [0, kv_end).
+    kv_end = tl.minimum(seq_len, ctx_len + (q_block + 1) * BLOCK_Q)
+    num_tiles = tl.cdiv(kv_end, TILE_N)
+    if NUM_SPLITS == 1:
+        tile_lo = 0
+        tile_hi = num_tiles
+    else:
+        per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+        tile_lo = split * per_split
+        tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    offs_n = tl.arange(0, TILE_N)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for j in range(tile_lo, tile_hi):
+        k_pos = j * TILE_N + offs_n
+        k_ok = k_pos < kv_end
+        phys = tl.load(bt_row + k_pos // KV_BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        slot = k_pos % KV_BLOCK_SIZE
+        k = tl.load(
+            k_cache_ptr
+            + phys[None, :] * stride_kb
+            + slot[None, :] * stride_ks
+            + kv_head * stride_kh
+            + offs_d[:, None],
+            mask=k_ok[None, :] & d_ok[:, None],
+            other=0.0,
+        )
+        v = tl.load(
+            v_cache_ptr
+            + phys[:, None] * stride_vb
+            + slot[:, None] * stride_vs
+            + kv_head * stride_vh
+            + offs_d[None, :],
+            mask=k_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        if DOT_FP32:
+            s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
+        else:
+            s = tl.dot(q, k.to(q.dtype))
+        s = s * score_scale
+        s = tl.where(row_ok[:, None] & (k_pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row with nothing visible yet keeps m = -inf; subtracting 0 instead avoids NaNs.
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DOT_FP32:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+        m_i = m_new
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    if FP8_KV:
+        o = o * tl.load(v_scale_ptr)
+    out_mask = row_ok[:, None] & d_ok[None, :]
+    tok_abs = q_start + tok
+    if NUM_SPLITS == 1:
+        tl.store(
+            out_ptr + tok_abs[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=out_mask,
+        )
+    else:
+        # Partial results: normalised output plus log2-sum-exp per (token, head, split).
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
+        part_row = (tok_abs * (QPKV * tl.num_programs(1)) + head) * NUM_SPLITS + split
+        tl.store(part_lse_ptr + part_row, lse, mask=row_ok)
+        tl.store(part_out_ptr + part_row[:, None] * HEAD_D + offs_d[None, :], o, mask=out_mask)
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    stride_ot,
+    stride_oh,
+    num_heads,
+    HEAD_D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    tok = tl.program_id(0)
+    head = tl.program_id(1)
+    row = tok * num_heads + head
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_D
+    lse = tl.load(part_lse_ptr + row * NUM_SPLITS + offs_s)
+    m = tl.max(lse, 0)  # split 0 always holds key 0, so m is finite
+    w = tl.math.exp2(lse - m)
+    o = tl.load(
+        part_out_ptr + (row * NUM_SPLITS + offs_s)[:, None] * HEAD_D + offs_d[None, :],
+        mask=d_ok[None, :],
+        other=0.0,
+    )
+    o = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def _scale_tensor(s: ScaleArg, device: torch.device) -> torch.Tensor:
+    if isinstance(s, torch.Tensor):
+        return s.reshape(1).to(device=device, dtype=torch.float32)
+    return torch.tensor([1.0 if s is None else float(s)], dtype=torch.float32, device=device)
+
+
+def _tile_config(q: torch.Tensor, qpkv: int, head_dim: int, decode: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, TILE_N, num_warps, num_stages) for this device.
+
+    Decode is bandwidth-bound: one token's packed heads fill the rows, and deeper pipelining of
+    the K/V loads matters more than tile size. Prefill is compute-bound and wants BLOCK_M=128 on
+    datacenter parts; consumer parts (sm86/sm89, ~100 KB shared memory) use 64.
+    """
+    min_rows = max(16, next_power_of_2(qpkv))
+    if INTERPRET or not q.is_cuda:
+        # Under the interpreter a bigger tile costs less (numpy ops), but tests pin sizes.
+        return (min_rows, 32, 4, 1) if decode else (max(min_rows, 32), 32, 4, 1)
+    major, minor = capability(q)
+    big_smem = major >= 9 or (major, minor) == (8, 0)
+    if decode:
+        return min_rows, 64, 4, 3 if big_smem else 2
+    if head_dim > 128:
+        return max(min_rows, 64), 32, 4, 2
+    if big_smem:
+        return max(min_rows, 128), 64, 8, 2
+    return max(min_rows, 64), 64, 4, 2
+
+
+def _num_splits(q: torch.Tensor, num_decodes: int, num_kv_heads: int, max_seq_len: int | None, tile_n: int) -> int:
+    """Split-K factor for the decode launch, chosen without reading seq_lens (no host sync).
+
+    Enough (sequence, KV head) programs already fill the GPU; otherwise split each context so
+    that about two programs run per SM. A ``max_seq_len`` hint caps the split so that every
+    slice still holds a few tiles.
+    """
+    programs = num_decodes * num_kv_heads
+    target = 2 * num_sms(q)
+    if programs >= target:
+        return 1
+    splits = min(next_power_of_2(-(-target // programs)), 64)
+    if max_seq_len is not None:
+        useful = max(1, max_seq_len // (4 * tile_n))
+        splits = min(splits, next_power_of_2(useful) if useful > 1 else 1)
+    return splits
+
+
+def paged_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    num_decodes: int = 0,
+    k_scale: ScaleArg = None,
+    v_scale: ScaleArg = None,
+    *,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
+    block_m: int | None = None,
+    tile_n: int | None = None,
+) -> torch.Tensor:
+    """Triton implementation; same contract as ``paged_attention_ref``.
+
+    Keyword-only knobs (tests and benchmarks): ``num_splits`` forces the decode split-K factor
+    (1 = no split), ``block_m``/``tile_n`` override the tile sizes, ``max_seq_len`` is an
+    optional host-side hint for the split heuristic. Nothing here reads device memory on the
+    host, so a decode step can be captured in a CUDA graph (pass scales as tensors).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    num_kv_heads, kv_block_size = k_cache.shape[2], k_cache.shape[1]
+    assert num_heads % num_kv_heads == 0
+    qpkv = num_heads // num_kv_heads
+    fp8 = k_cache.dtype in FP8_DTYPES
+    k_scale_t = _scale_tensor(k_scale, q.device)
+    v_scale_t = _scale_tensor(v_scale, q.device)
+    block_d = max(16, next_power_of_2(head_dim))
+    fp32 = dot_fp32(q)
+    common = dict(
+        QPKV=qpkv,
+        HEAD_D=head_dim,
+        BLOCK_D=block_d,
+        KV_BLOCK_SIZE=kv_block_size,
+        FP8_KV=fp8,
+        DOT_FP32=fp32,
+    )
+
+    def launch(grid: tuple[int, int, int], seqs: slice, part_out: torch.Tensor, part_lse: torch.Tensor,
+               bm: int, bq: int, tn: int, warps: int, stages: int, splits: int, decode: bool) -> None:
+        _paged_attention_kernel[grid](
+            out, q, k_cache, v_cache,
+            block_tables[seqs], seq_lens[seqs], query_start_loc[seqs.start:],
+            part_out, part_lse, k_scale_t, v_scale_t,
+            scale * _LOG2E, seqs.stop - seqs.start,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            block_tables.stride(0),
+            BLOCK_M=bm, BLOCK_Q=bq, TILE_N=tn, NUM_SPLITS=splits, IS_DECODE=decode,
+            num_warps=warps, num_stages=stages, **common,
+        )  # fmt: skip
+
+    if num_decodes > 0:
+        bm, tn, warps, stages = _tile_config(q, qpkv, head_dim, decode=True)
+        bm = max(bm, block_m or 0, next_power_of_2(qpkv))
+        tn = tile_n or tn
+        splits = num_splits or _num_splits(q, num_decodes, num_kv_heads, max_seq_len, tn)
+        splits = next_power_of_2(splits)
+        if splits == 1:
+            dummy = out  # never touched when NUM_SPLITS == 1
+            launch((num_decodes, num_kv_heads, 1), slice(0, num_decodes), dummy, dummy,
+                   bm, 1, tn, warps, stages, 1, True)  # fmt: skip
+        else:
+            part_out = torch.empty((num_decodes, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
+            part_lse = torch.empty((num_decodes, num_heads, splits), dtype=torch.float32, device=q.device)
+            launch((num_decodes, num_kv_heads, splits), slice(0, num_decodes), part_out, part_lse,
+                   bm, 1, tn, warps, stages, splits, True)  # fmt: skip
+            _reduce_splits_kernel[(num_decodes, num_heads)](
+                out, part_out, part_lse, out.stride(0), out.stride(1), num_heads,
+                HEAD_D=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, num_warps=4,
+            )  # fmt: skip
+
+    if num_decodes < num_seqs:
+        bm, tn, warps, stages = _tile_config(q, qpkv, head_dim, decode=False)
+        bm = max(block_m or bm, next_power_of_2(qpkv))
+        tn = tile_n or tn
+        bq = bm // qpkv
+        # Decodes come first, so the prefill tokens are q[num_decodes:]; each prefill sequence
+        # gets one spare tile slot (see _find_seq_idx).
+        n_prefill_seqs = num_seqs - num_decodes
+        grid = ((num_tokens - num_decodes) // bq + n_prefill_seqs, num_kv_heads, 1)
+        launch(grid, slice(num_decodes, num_seqs), out, out, bm, bq, tn, warps, stages, 1, False)
+    return out
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    num_decodes: int = 0,
+    k_scale: ScaleArg = None,
+    v_scale: ScaleArg = None,
+) -> torch.Tensor:
+    if use_triton(q):
+        return paged_attention_triton(
+            q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, num_decodes,
+            k_scale, v_scale,
+        )  # fmt: skip
+    return paged_attention_ref(
+        q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, num_decodes,
+        k_scale, v_scale,
+    )  # fmt: skip
+

@@ -1,0 +1,159 @@
+"""The engine on a background thread, for asyncio consumers (the TUI, the server).
+
+The thread owns the ``LLMEngine`` exclusively: requests and aborts reach it through a queue,
+and its outputs reach each consumer's event loop through one ``call_soon_threadsafe`` per loop
+per step, never per token, so the step loop never waits on a consumer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import traceback
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from localllm.engine.engine import EngineConfig, EngineStats, LLMEngine, Prompt, RequestOutput
+from localllm.engine.sequence import SamplingParams
+from localllm.errors import LocalLLMError
+
+
+@dataclass(slots=True)
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class AsyncEngine:
+    """Invariant: every request added is eventually answered on its stream by a finished
+    output, an exception, or an abort; a stream whose consumer stops early aborts its request."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._ids = itertools.count()
+        self._stats = engine.stats()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="localllm-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncEngine:
+        return cls(LLMEngine(config))
+
+    # ---- consumer side (any event loop) ----
+
+    @property
+    def tokenizer(self):  # noqa: ANN201 - Tokenizer; the engine's, read-only after load
+        return self.engine.tokenizer
+
+    def stats(self) -> EngineStats:
+        """A snapshot taken after the last step; safe to read from any thread."""
+        return self._stats
+
+    async def generate(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Yields one output per step that produced text for this request; the last one has
+        ``finished`` set. Breaking out of the loop, or cancelling the task, aborts the request."""
+        if self._stopped.is_set():
+            raise EngineDeadError("the engine has stopped")
+        request_id = request_id or f"async-{next(self._ids)}"
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request_id] = stream
+        self._inbox.put(("add", (request_id, prompt, params or SamplingParams())))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._inbox.put(("abort", request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def shutdown(self) -> None:
+        self._stopped.set()
+        self._inbox.put(("stop", None))
+        self._thread.join(timeout=10)
+
+    # ---- engine thread ----
+
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stopped.is_set():
+            block = not engine.has_unfinished()
+            try:
+                kind, payload = self._inbox.get(block=block)
+            except queue.Empty:
+                kind = ""
+            while kind:
+                self._handle(kind, payload)
+                try:
+                    kind, payload = self._inbox.get_nowait()
+                except queue.Empty:
+                    kind = ""
+            if self._stopped.is_set():
+                break
+            if not engine.has_unfinished():
+                self._stats = engine.stats()
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as e:  # an engine error fails the running requests, not the app
+                traceback.print_exc()
+                self._fail_all(RuntimeError(f"engine step failed: {type(e).__name__}: {e}"))
+                continue
+            self._stats = engine.stats()
+            self._deliver([(o.request_id, o) for o in outputs])
+
+    def _handle(self, kind: str, payload: object) -> None:
+        if kind == "add":
+            request_id, prompt, params = payload  # type: ignore[misc]
+            try:
+                self.engine.add_request(prompt, params, request_id)
+            except (LocalLLMError, ValueError, TypeError) as e:
+                self._deliver([(request_id, e)])
+        elif kind == "abort":
+            out = self.engine.abort_request(payload)  # type: ignore[arg-type]
+            if out is not None:
+                self._deliver([(out.request_id, out)])
+
+    def _fail_all(self, error: BaseException) -> None:
+        ids = list(self.engine.requests)
+        for request_id in ids:
+            self.engine.abort_request(request_id)
+        self._deliver([(r, error) for r in ids])
+
+    def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput | BaseException]]] = {}
+        for request_id, item in items:
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream.queue, item))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # that loop has closed; its consumers are gone
+                pass
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:
+    for q, item in batch:
+        q.put_nowait(item)

@@ -1,0 +1,108 @@
+"""Which tokens run in the next forward pass.
+
+One rule, as in vLLM v1: every sequence has tokens it still has to compute
+(``num_tokens - num_computed_tokens``); a step hands out up to ``max_num_batched_tokens`` of
+them. Running sequences (mostly decodes, one token each) are served first, then waiting ones,
+whose prompts are chunked to what the budget leaves. So a long prompt never stalls the decodes
+of other chats, and prefill and decode share one forward pass.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import NamedTuple
+
+from localllm.engine.block_manager import BlockManager
+from localllm.engine.sequence import Sequence, SequenceStatus
+
+
+class ScheduledBatch(NamedTuple):
+    """``seqs[i]`` computes ``num_new_tokens[i]`` tokens; decodes (one token) come first."""
+
+    seqs: list[Sequence]
+    num_new_tokens: list[int]
+    num_decodes: int
+    preempted: list[Sequence]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    def __init__(
+        self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        chosen: list[tuple[Sequence, int]] = []
+        preempted: list[Sequence] = []
+
+        # running first: decodes and the remaining chunks of partly prefilled prompts
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.allocate(seq, seq.num_computed_tokens + n):
+                victim = self.running.pop()  # the newest request gives way
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break
+            chosen.append((seq, n))
+            budget -= n
+            i += 1
+
+        # then waiting requests, first come first served, while blocks and budget allow
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            seq = self.waiting[0]
+            prefix = self.block_manager.match_prefix(seq)
+            n = min(seq.num_tokens - prefix.num_tokens, budget)
+            if not self.block_manager.allocate(seq, prefix.num_tokens + n, prefix):
+                break
+            self.waiting.popleft()
+            seq.num_computed_tokens = prefix.num_tokens
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = prefix.num_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            chosen.append((seq, n))
+            budget -= n
+
+        chosen.sort(key=lambda item: item[1] != 1)  # stable: decodes first, order kept
+        num_decodes = sum(1 for _, n in chosen if n == 1)
+        return ScheduledBatch([s for s, _ in chosen], [n for _, n in chosen], num_decodes, preempted)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute-style preemption: drop the KV, keep the tokens, requeue at the front.
+        The freed blocks stay in the prefix cache, so the recompute is mostly cache hits."""
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Removes a finished or aborted sequence and frees its blocks at once."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED

@@ -1,0 +1,247 @@
+"""``localllm probe``: the hardware, then what each catalog model would run as on it.
+
+Importing this module is cheap (the parser is built for every ``localllm`` command); the
+probe, the planner and torch load only when ``probe`` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import TYPE_CHECKING, Any
+
+from localllm.errors import LocalLLMError
+
+if TYPE_CHECKING:
+    from localllm.catalog import CatalogEntry
+    from localllm.hardware.probe import Hardware
+
+JSON_SCHEMA_VERSION = 1
+TABLE_CONTEXT = 8192  # the "chats at 8K" column
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "probe",
+        help="show the hardware and the precision, context and speed bound of each catalog model",
+        description="Probe this machine (or a GPU you name) and plan every catalog model on it.",
+    )
+    p.add_argument("--model", "-m", default=None, help="one catalog id (default: every catalog model)")
+    p.add_argument("--gpu", default=None, help='plan for a GPU you do not have, e.g. "RTX 4090"')
+    p.add_argument("--vram", type=float, default=None,
+                   help="GiB of VRAM: with --gpu it overrides the card's size, alone it plans for any such card")
+    p.add_argument("--context", type=int, default=None,
+                   help=f"tokens per chat to plan for (default: {TABLE_CONTEXT:,}, or less if the model allows less)")
+    p.add_argument("--chats", type=int, default=1, help="chats running at once (default 1)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of VRAM the engine may use (default 0.9)")
+    p.add_argument("--measure", action="store_true",
+                   help="measure memory bandwidth with a large copy instead of using the GPU table")
+    p.add_argument("--json", action="store_true", help="print everything as JSON (keys in docs/probe.md)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from localllm.catalog import load_catalog
+    from localllm.hardware.probe import hardware_for_gpu, measure_bandwidth, probe_hardware, with_bandwidth
+
+    if args.context is not None and args.context <= 0:
+        raise LocalLLMError(f"--context must be a positive number of tokens, got {args.context}")
+    if args.chats < 1:
+        raise LocalLLMError(f"--chats must be at least 1, got {args.chats}")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise LocalLLMError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+    if args.vram is not None and not args.vram > 0:
+        raise LocalLLMError(f"--vram must be a positive number of GiB, got {args.vram}")
+    hypothetical = bool(args.gpu) or args.vram is not None
+    if args.measure and hypothetical:
+        raise LocalLLMError("--measure measures this machine; it cannot be combined with --gpu or --vram")
+
+    catalog = load_catalog()
+    if args.model is not None:
+        entry = catalog.get(args.model) or next(
+            (e for e in catalog.values() if args.model.lower() in (e.id.lower(), e.hf_repo.lower())), None)
+        if entry is None:
+            raise LocalLLMError(f"unknown catalog model {args.model!r}; `localllm models` lists the catalog ids")
+        entries = [entry]
+    else:
+        entries = list(catalog.values())
+
+    hw = probe_hardware()
+    if hypothetical:
+        hw = hardware_for_gpu(args.gpu, args.vram, base=hw)
+
+    bandwidth: float | None = None
+    bandwidth_source = "none"
+    if args.measure:
+        device = "cuda" if hw.gpu is not None else "cpu"
+        try:
+            bandwidth = measure_bandwidth(device)
+        except Exception as e:  # noqa: BLE001 - a failed measurement is a result, not a crash
+            raise LocalLLMError(f"bandwidth measurement on {device} failed: {type(e).__name__}: {e}") from None
+        bandwidth_source = f"measured ({device} copy)"
+        if hw.gpu is not None:
+            hw = with_bandwidth(hw, bandwidth)
+    elif hw.gpu is not None and hw.gpu.bandwidth_gbs:
+        bandwidth = hw.gpu.bandwidth_gbs
+        bandwidth_source = {"table": "GPU table", "nvml": "NVML clock x bus width"}.get(hw.gpu.bandwidth_source,
+                                                                                         hw.gpu.bandwidth_source)
+
+    rows = [_row(e, hw, args, bandwidth, strict=args.model is not None) for e in entries]
+    doc = {
+        "schema_version": JSON_SCHEMA_VERSION,
+        "hardware": hw.to_dict(),
+        "bandwidth": {"gbs": bandwidth, "source": bandwidth_source},
+        "request": {
+            "context": args.context,
+            "chats": args.chats,
+            "gpu_memory_utilization": args.gpu_memory_utilization,
+            "table_context": TABLE_CONTEXT,
+        },
+        "models": rows,
+    }
+    try:
+        if args.json:
+            sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+            sys.stdout.flush()
+        else:
+            _render(doc, hw, args)
+    except BrokenPipeError:
+        # `localllm probe | head` closed the pipe early: not an error. Silence the flush at exit.
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
+
+
+def _row(entry: CatalogEntry, hw: Hardware, args: argparse.Namespace, bandwidth: float | None, *, strict: bool) -> dict[str, Any]:
+    from localllm.hardware.planner import DoesNotFit, decode_tokens_per_s, plan
+    from localllm.hardware.sizing import kv_bytes_per_token, weight_bytes
+
+    wanted = args.context if args.context is not None else min(entry.max_context, TABLE_CONTEXT)
+    row: dict[str, Any] = {
+        "id": entry.id,
+        "hf_repo": entry.hf_repo,
+        "architecture": entry.architecture,
+        "supported": entry.supported,
+        "params": entry.params,
+        "status": "error",  # "fits", "does_not_fit" or "error" (bad request for this model)
+        "fits": False,
+        "precision": None,
+        "reason": "",
+        "weight_bytes": None,
+        "kv_bytes_per_token": None,
+        "max_context": 0,
+        "max_chats_at_8k": 0,
+        "decode_context": wanted,
+        "decode_tok_s_bound": None,
+        "plan": None,
+        "nearest": None,
+        "suggestions": [],
+    }
+    try:
+        p = plan(entry, hw, context=args.context, chats=args.chats,
+                 gpu_memory_utilization=args.gpu_memory_utilization)
+    except DoesNotFit as e:
+        # Report the smallest precision's footprint: that is what did not fit.
+        gpu = hw.gpu
+        compute = "bfloat16" if gpu is None or gpu.has_bf16 else "float16"
+        row.update(
+            status="does_not_fit",
+            reason=str(e),
+            weight_bytes=weight_bytes(entry, compute, "awq"),
+            kv_bytes_per_token=kv_bytes_per_token(entry, "float32" if gpu is None else compute),
+            nearest=e.nearest.to_dict() if e.nearest is not None else None,
+            suggestions=list(e.suggestions),
+        )
+        return row
+    except LocalLLMError as e:
+        if strict:
+            raise
+        row["reason"] = str(e)
+        return row
+    table_ctx = min(entry.max_context, TABLE_CONTEXT)
+    row.update(
+        status="fits",
+        fits=True,
+        precision=p.precision,
+        reason=p.reasons[2],
+        weight_bytes=p.weight_bytes,
+        kv_bytes_per_token=p.kv_bytes_per_token,
+        max_context=min(entry.max_context, p.kv_capacity_tokens),
+        max_chats_at_8k=p.kv_capacity_tokens // table_ctx,
+        decode_tok_s_bound=decode_tokens_per_s(p, bandwidth, wanted),
+        plan=p.to_dict(),
+    )
+    return row
+
+
+def _render(doc: dict[str, Any], hw: Hardware, args: argparse.Namespace) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from localllm.hardware.planner import CPU_RAM_FRACTION, fmt_bytes
+
+    console = Console(width=None if sys.stdout.isatty() else 200, soft_wrap=False, highlight=False)
+    cpu = hw.cpu
+    console.print("[bold]Hardware[/bold]" + (" (planned for, not this machine)" if hw.hypothetical else ""))
+    console.print(f"  CPU  {cpu.model}, {cpu.physical_cores} physical / {cpu.logical_cores} logical cores,"
+                  f" {cpu.arch}; ISA: {cpu.isa_summary()}"
+                  f"{'; bf16 matmuls native' if cpu.bf16_fast else ''}")
+    console.print(f"  RAM  {fmt_bytes(hw.ram_total_bytes)} total, {fmt_bytes(hw.ram_available_bytes)} available")
+    if hw.gpus:
+        for g in hw.gpus:
+            runs = "" if g.backend == "cuda" else " (not used by the engine yet)"
+            console.print(f"  GPU  {g.index}: {g.name}, {fmt_bytes(g.total_bytes)} ({fmt_bytes(g.free_bytes)} free),"
+                          f" compute capability {g.cc_str}, {g.backend}{runs}"
+                          f"{f', driver {g.driver}' if g.driver else ''}")
+    else:
+        console.print("  GPU  none")
+    for note in hw.notes:
+        console.print(f"  note {note}")
+    bw = doc["bandwidth"]
+    if hw.gpu is not None:
+        target = f"{hw.gpu.name}, {args.gpu_memory_utilization:.0%} of {fmt_bytes(hw.gpu.total_bytes)}"
+    else:
+        target = f"CPU, RAM budget {fmt_bytes(hw.ram_available_bytes * CPU_RAM_FRACTION)} ({CPU_RAM_FRACTION:.0%} of available)"
+    bw_text = f"{bw['gbs']:,.0f} GB/s ({bw['source']})" if bw["gbs"] else "unknown (use --measure)"
+    console.print(f"  plan for {target}; memory bandwidth {bw_text}")
+    console.print()
+
+    ctx = f"{args.context:,} tokens" if args.context is not None else f"up to {TABLE_CONTEXT:,} tokens"
+    table = Table(title=f"Models at {ctx} x {args.chats} chat{'s' if args.chats > 1 else ''}",
+                  title_justify="left", show_lines=False)
+    table.add_column("Model", no_wrap=True)
+    table.add_column("Params", justify="right")
+    table.add_column("Precision", no_wrap=True)
+    table.add_column("Weights", justify="right")
+    table.add_column("KV/token", justify="right")
+    table.add_column("Max context", justify="right")
+    table.add_column("Chats @8K", justify="right")
+    table.add_column("Decode ≤ tok/s", justify="right")
+    table.add_column("Why", ratio=1)
+    unsupported = False
+    for r in doc["models"]:
+        name = r["id"]
+        if not r["supported"]:
+            name += " *"
+            unsupported = True
+        speed = r["decode_tok_s_bound"]
+        table.add_row(
+            name,
+            f"{r['params'] / 1e9:.2f}B",
+            r["precision"] or ("[red]does not fit[/red]" if r["status"] == "does_not_fit" else "[yellow]n/a[/yellow]"),
+            fmt_bytes(r["weight_bytes"]) if r["weight_bytes"] is not None else "-",
+            fmt_bytes(r["kv_bytes_per_token"]) if r["kv_bytes_per_token"] is not None else "-",
+            f"{r['max_context']:,}" if r["fits"] else "-",
+            f"{r['max_chats_at_8k']:,}" if r["fits"] else "-",
+            f"{speed:,.0f}" if speed else "-",
+            r["reason"],
+        )
+    console.print(table)
+    if unsupported:
+        console.print("  * the engine does not run this architecture yet; figures are for reference")
+    console.print("  Max context: tokens one chat can hold at that precision. Chats @8K: 8K-token chats at once.")
+    console.print("  Decode ≤ tok/s: bandwidth / bytes read per token (all weights once + the KV of the planned"
+                  " context), one stream; real speed is lower.")

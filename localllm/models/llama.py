@@ -1,0 +1,333 @@
+"""The one model: a Llama-family decoder whose config flags cover Llama 2/3/3.1/3.2, Mistral,
+Qwen2 (qkv bias), Qwen3 (q/k RMSNorm) and SmolLM2.
+
+Parameters keep HF names except two fusions: q/k/v live in ``qkv_proj`` and gate/up in
+``gate_up_proj`` (output dims concatenated in that order), which halves the matmul launches
+per layer. ``load_weights`` maps HF tensors onto those shards.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from localllm.errors import LocalLLMError
+from localllm.kernels import paged_attention, rms_norm, rotary_and_store_kv, silu_and_mul
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    quantization: dict[str, Any] | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        assert self.num_heads % self.num_kv_heads == 0, "GQA needs heads to be a multiple of kv heads"
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else ""
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise LocalLLMError(
+                f"{source}: architecture {arch or '(none)'!r} is not supported; "
+                f"localllm runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        try:
+            heads = int(cfg["num_attention_heads"])
+            hidden = int(cfg["hidden_size"])
+            return cls(
+                architecture=arch,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+                rope_theta=float(cfg.get("rope_theta", 10000.0)),
+                rope_scaling=cfg.get("rope_scaling"),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                qkv_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+                qk_norm=arch == "Qwen3ForCausalLM",
+                quantization=cfg.get("quantization_config"),
+            )
+        except KeyError as e:
+            raise LocalLLMError(f"{source}: missing field {e.args[0]!r}; is this a causal LM config?") from e
+
+    @property
+    def num_params(self) -> int:
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        return self.num_layers * per_layer + v * h * (1 if self.tie_word_embeddings else 2) + h
+
+
+def rope_cos_sin(cfg: ModelConfig, max_positions: int) -> torch.Tensor:
+    """[max_positions, head_dim] fp32: cos over the first half, sin over the second."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "llama3":
+        # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_ctx = scaling.get("original_max_position_embeddings", 8192)
+        wavelen = 2 * math.pi / inv_freq
+        smooth = ((old_ctx / wavelen) - low) / (high - low)
+        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        inv_freq = torch.where(
+            wavelen > old_ctx / low, inv_freq / factor, torch.where(wavelen < old_ctx / high, inv_freq, blended)
+        )
+    elif kind == "freq_factors":  # GGUF's precomputed form of the same scaling
+        inv_freq = inv_freq / torch.tensor(scaling["factors"], dtype=torch.float64)
+    elif kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind not in (None, "default"):
+        raise LocalLLMError(f"rope_scaling type {kind!r} is not supported (llama3, linear or none)")
+    angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+    return torch.cat((angles.cos(), angles.sin()), dim=-1).float()
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """The flat varlen batch, as every attention layer sees it. Decode sequences come first."""
+
+    slot_mapping: torch.Tensor  # [T] cache slot of each new token
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32, context length after this step
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    num_decodes: int
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return rms_norm(x, self.weight, self.eps, residual)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.qkv_proj.output_sizes = [self.q_size, self.kv_size, self.kv_size]  # type: ignore[assignment]
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # Set by the model runner once the KV pool exists: [num_blocks, block_size, KVH, D] each.
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(T, self.num_heads, self.head_dim)
+        k = k.reshape(T, self.num_kv_heads, self.head_dim)
+        v = v.reshape(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = rotary_and_store_kv(q, k, v, positions, cos_sin, self.k_cache, self.v_cache, meta.slot_mapping)
+        o = paged_attention(
+            q, self.k_cache, self.v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+            self.scale, meta.num_decodes,
+        )
+        return self.o_proj(o.reshape(T, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.gate_up_proj.output_sizes = [cfg.intermediate_size, cfg.intermediate_size]  # type: ignore[assignment]
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, cos_sin, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        # The residual stream stays fp32 whatever the weight dtype: SmolLM2's last layers carry
+        # large activations, and a bf16 residual flips its greedy answers (measured: 4% error).
+        x = self.embed_tokens(input_ids).float()
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, positions, cos_sin, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+# HF checkpoint name fragment -> (our fused module, shard index)
+_STACKED = {
+    ".q_proj.": (".qkv_proj.", 0),
+    ".k_proj.": (".qkv_proj.", 1),
+    ".v_proj.": (".qkv_proj.", 2),
+    ".gate_proj.": (".gate_up_proj.", 0),
+    ".up_proj.": (".gate_up_proj.", 1),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("cos_sin", torch.empty(0), persistent=False)
+        self.fp32_head: torch.Tensor | None = None
+
+    def keep_fp32_logits(self) -> None:
+        """Computes logits from an fp32 copy of the head. A bf16 matmul rounds its output to
+        8 mantissa bits, 0.125 at a logit of 25: enough to turn SmolLM2's greedy answer to
+        "What is the capital of France?" from "The capital..." (margin 0.08) into "L'Étoile...".
+        Worth it on CPU, where the head is one matmul among ~120 per step."""
+        self.fp32_head = self.lm_head.weight.detach().float()
+
+    def init_rope(self, max_positions: int) -> None:
+        """Fills the rotary table; called after the weights are materialised on their device."""
+        self.cos_sin = rope_cos_sin(self.config, max_positions).to(self.lm_head.weight.device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Returns the final hidden states [T, hidden]; ``compute_logits`` projects the rows
+        that need sampling, so prefill never pays for [T, vocab] logits."""
+        return self.model(input_ids, positions, self.cos_sin, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.fp32_head is not None:
+            return torch.nn.functional.linear(hidden.float(), self.fp32_head)
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copies HF-named tensors into the parameters; returns the names of parameters that
+        were written, so the loader can name what a checkpoint lacks."""
+        params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if self.config.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            shard: int | None = None
+            for frag, (fused, idx) in _STACKED.items():
+                if frag in name:
+                    name, shard = name.replace(frag, fused), idx
+                    break
+            module_name, _, param_name = name.rpartition(".")
+            module = modules.get(module_name)
+            if module is not None and hasattr(module, "load_weight"):
+                # quantized linears own their packed layouts
+                module.load_weight(param_name, tensor, shard)
+                loaded.add(name)
+                continue
+            param = params.get(name)
+            if param is None:
+                raise LocalLLMError(f"checkpoint tensor {name!r} has no place in {self.config.architecture}")
+            if shard is not None:
+                sizes = module.output_sizes  # type: ignore[union-attr]
+                target = param.data.narrow(0, sum(sizes[:shard]), sizes[shard])
+            else:
+                target = param.data
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise LocalLLMError(
+                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
+            loaded.add(name if shard is None else f"{name}#{shard}")
+        return loaded
+
+    def expected_weights(self) -> set[str]:
+        """The ``load_weights`` names a complete checkpoint writes."""
+        names: set[str] = set()
+        modules = dict(self.named_modules())
+        for mod_name, module in modules.items():
+            if hasattr(module, "expected_weight_names"):  # quantized linears name their own tensors
+                names.update(f"{mod_name}.{n}" for n in module.expected_weight_names())
+        for name, _ in self.named_parameters():
+            if self.config.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            module = modules[name.rpartition(".")[0]]
+            if hasattr(module, "load_weight"):
+                continue
+            sizes = getattr(module, "output_sizes", None)
+            if sizes is not None and name.endswith(".weight"):
+                names.update(f"{name}#{i}" for i in range(len(sizes)))
+            elif sizes is not None and name.endswith(".bias"):
+                names.update(f"{name}#{i}" for i in range(len(sizes)))
+            else:
+                names.add(name)
+        return names

@@ -1,0 +1,402 @@
+"""Reading checkpoints: HF folders (safetensors, sharded or not) and GGUF files.
+
+Both produce a ``Checkpoint``: the config, the tokenizer, and a generator of HF-named tensors,
+consumed one at a time so a shard (or a dequantized GGUF tensor) is the most that sits in RAM.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from localllm.errors import LocalLLMError
+from localllm.models.llama import LlamaForCausalLM, ModelConfig
+from localllm.tokenizer import Tokenizer
+
+WeightIter = Iterator[tuple[str, torch.Tensor]]
+
+
+@dataclass(slots=True)
+class Checkpoint:
+    path: Path
+    format: str  # "hf" or "gguf"
+    config: ModelConfig
+    tokenizer: Tokenizer
+    weights: Callable[[], WeightIter]
+    num_tensors: int
+
+
+def open_checkpoint(path: Path) -> Checkpoint:
+    if not path.exists():
+        raise LocalLLMError(f"{path}: no such file or folder")
+    if path.is_dir():
+        return _open_hf_dir(path)
+    if path.suffix == ".gguf":
+        return _open_gguf(path)
+    raise LocalLLMError(f"{path}: not a model (expected an HF folder with config.json, or a .gguf file)")
+
+
+# ---------------------------------------------------------------- HF folder
+
+
+def _open_hf_dir(path: Path) -> Checkpoint:
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise LocalLLMError(f"{path}: no config.json; is this an HF model folder?")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise LocalLLMError(f"{cfg_file}: not valid JSON ({e})") from e
+    config = ModelConfig.from_hf(raw, str(cfg_file))
+    tokenizer = Tokenizer.from_hf_dir(path)
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise LocalLLMError(f"{index}: not a safetensors index ({e})") from e
+        shards = sorted({path / f for f in weight_map.values()})
+    else:
+        shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        raise LocalLLMError(f"{path}: no *.safetensors weights")
+    for shard in shards:
+        if not shard.is_file():
+            raise LocalLLMError(f"{shard}: listed in the index but missing")
+    num_tensors = sum(len(_safetensors_header(s)) for s in shards)
+
+    def weights() -> WeightIter:
+        from safetensors import safe_open
+
+        for shard in shards:
+            try:
+                with safe_open(str(shard), framework="pt") as f:
+                    for name in f.keys():
+                        yield name, f.get_tensor(name)
+            except LocalLLMError:
+                raise
+            except Exception as e:  # safetensors raises its own error types for corrupt data
+                raise LocalLLMError(f"{shard}: corrupt or truncated safetensors file ({e})") from e
+
+    return Checkpoint(path, "hf", config, tokenizer, weights, num_tensors)
+
+
+def _safetensors_header(path: Path) -> dict[str, Any]:
+    """Validates the header and that every tensor lies inside the file (catches truncation
+    before loading starts, instead of a crash halfway)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise LocalLLMError(f"{path}: truncated safetensors file (no header)")
+        n = int.from_bytes(head, "little")
+        if n <= 0 or n > size - 8:
+            raise LocalLLMError(f"{path}: corrupt safetensors header (length {n}, file {size} bytes)")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise LocalLLMError(f"{path}: corrupt safetensors header ({e})") from e
+    header.pop("__metadata__", None)
+    end = max((t["data_offsets"][1] for t in header.values()), default=0)
+    if 8 + n + end > size:
+        raise LocalLLMError(f"{path}: truncated safetensors file ({size} bytes, tensors need {8 + n + end})")
+    return header
+
+
+# ---------------------------------------------------------------- GGUF
+
+_GGUF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+_GGUF_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+
+
+def _gguf_hf_name(name: str) -> str | None:
+    if name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if name == "output_norm.weight":
+        return "model.norm.weight"
+    if name == "output.weight":
+        return "lm_head.weight"
+    parts = name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _GGUF_NAMES:
+        return f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{parts[3]}"
+    return None
+
+
+def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp interleaves the two rotary halves of each Q/K head; restore HF's layout."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _open_gguf(path: Path) -> Checkpoint:
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as e:  # the reader raises ValueError, struct errors or IndexError on bad files
+        raise LocalLLMError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from e
+
+    fields: dict[str, Any] = {}
+    for key, fld in reader.fields.items():
+        try:
+            fields[key] = fld.contents()
+        except Exception:  # a field of a type we never read does not matter
+            continue
+    arch = fields.get("general.architecture")
+    if arch not in _GGUF_ARCH:
+        raise LocalLLMError(f"{path}: GGUF architecture {arch!r} is not supported ({', '.join(_GGUF_ARCH)})")
+
+    def meta(key: str, default: Any = None) -> Any:
+        value = fields.get(f"{arch}.{key}", default)
+        if value is None:
+            raise LocalLLMError(f"{path}: GGUF metadata lacks {arch}.{key}")
+        return value
+
+    tensors = {t.name: t for t in reader.tensors}
+    heads = int(meta("attention.head_count"))
+    hidden = int(meta("embedding_length"))
+    hf_cfg: dict[str, Any] = {
+        "architectures": [_GGUF_ARCH[arch]],
+        "vocab_size": len(fields["tokenizer.ggml.tokens"]),
+        "hidden_size": hidden,
+        "intermediate_size": int(meta("feed_forward_length")),
+        "num_hidden_layers": int(meta("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(meta("attention.head_count_kv", heads)),
+        "head_dim": int(meta("attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(meta("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(meta("context_length", 4096)),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "attention_bias": "blk.0.attn_q.bias" in tensors,
+    }
+    if "rope_freqs.weight" in tensors:
+        # llama.cpp bakes Llama 3.1 rope scaling into per-frequency divisors.
+        factors = _dequantize(tensors["rope_freqs.weight"], path).flatten().tolist()
+        hf_cfg["rope_scaling"] = {"rope_type": "freq_factors", "factors": factors}
+    config = ModelConfig.from_hf(hf_cfg, str(path))
+    try:
+        tokenizer = Tokenizer.from_gguf_fields(fields, str(path))
+    except KeyError as e:
+        raise LocalLLMError(f"{path}: GGUF metadata lacks {e.args[0]}") from e
+
+    permute = arch == "llama"  # llama.cpp permutes Q/K only for its llama architecture
+    kv_heads = config.num_kv_heads
+
+    def weights() -> WeightIter:
+        for name, t in tensors.items():
+            hf_name = _gguf_hf_name(name)
+            if hf_name is None:
+                continue
+            w = torch.from_numpy(_dequantize(t, path))
+            if permute and ".q_proj." in hf_name:
+                w = _unpermute(w, heads)
+            elif permute and ".k_proj." in hf_name:
+                w = _unpermute(w, kv_heads)
+            yield hf_name, w
+
+    return Checkpoint(path, "gguf", config, tokenizer, weights, len(tensors))
+
+
+def _dequantize(t: Any, path: Path) -> np.ndarray:
+    from gguf import quants
+
+    try:
+        arr = quants.dequantize(t.data, t.tensor_type)
+    except NotImplementedError as e:
+        raise LocalLLMError(f"{path}: tensor {t.name} uses {t.tensor_type.name}, which gguf cannot dequantize") from e
+    except Exception as e:
+        raise LocalLLMError(f"{path}: tensor {t.name} is corrupt or truncated ({e})") from e
+    return np.require(arr, np.float32, ["C_CONTIGUOUS", "WRITEABLE"])
+
+
+# ---------------------------------------------------------------- model construction
+
+
+def build_model(
+    ckpt: Checkpoint,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    progress: Callable[[int, int], None] | None = None,
+    quantize: Callable[[LlamaForCausalLM], None] | None = None,
+) -> LlamaForCausalLM:
+    """Materialises the model on ``device`` in ``dtype`` and streams the checkpoint into it.
+
+    ``progress(done, total)`` is called after each tensor. ``quantize`` swaps linears for
+    quantized ones before loading (checkpoints that are already quantized) — see localllm.quant.
+    """
+    with torch.device("meta"):
+        model = LlamaForCausalLM(ckpt.config)
+    if quantize is not None:
+        quantize(model)
+    model = model.to_empty(device=device)
+    for p in model.parameters():
+        if p.is_floating_point():
+            p.data = p.data.to(dtype)
+    if ckpt.config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    done = 0
+
+    def counted() -> WeightIter:
+        nonlocal done
+        for item in ckpt.weights():
+            yield item
+            done += 1
+            if progress is not None:
+                progress(done, ckpt.num_tensors)
+
+    loaded = model.load_weights(counted())
+    missing = sorted(model.expected_weights() - loaded)
+    if missing:
+        raise LocalLLMError(
+            f"{ckpt.path}: checkpoint lacks {len(missing)} tensors, e.g. {missing[0].split('#')[0]!r}"
+        )
+    model.init_rope(max_positions)
+    if device.type == "cpu" and dtype != torch.float32:
+        model.keep_fp32_logits()
+    return model.eval()
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    name: str
+    path: Path
+    model: LlamaForCausalLM
+    tokenizer: Tokenizer
+    plan: Any
+    precision: str  # what the status bar shows: float32, bfloat16, fp8, int8, awq
+    device: torch.device
+    kv_dtype: torch.dtype
+    max_model_len: int
+    num_kv_blocks: int
+    use_cuda_graphs: bool
+    predicted_bytes: int
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_model(
+    name: str | None,
+    *,
+    dtype: str = "auto",
+    device: str | None = None,
+    quant: str | None = None,
+    max_model_len: int | None = None,
+    context: int | None = None,
+    chats: int = 4,
+    num_kv_blocks: int | None = None,
+    block_size: int = 16,
+    gpu_memory_utilization: float = 0.9,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> LoadedModel:
+    """Resolves (pulling if needed), plans against this machine, and loads. ``progress`` gets
+    ``(stage, done, total)``."""
+    from localllm import store
+    from localllm.hardware.planner import plan as make_plan
+    from localllm.hardware.probe import probe_hardware
+
+    path = store.resolve(name)
+    ckpt = open_checkpoint(path)
+    cfg = ckpt.config
+    hw = probe_hardware()
+    if device is not None and device not in ("cpu", "cuda"):
+        raise LocalLLMError(f"--device {device!r}: use cpu or cuda")
+    if device == "cuda" and hw.gpu is None:
+        raise LocalLLMError("--device cuda: no CUDA GPU is usable here; use --device cpu")
+    if device == "cpu":
+        hw = replace(hw, gpus=())
+    pre_quant = (cfg.quantization or {}).get("quant_method")
+    # The planner sizes memory for fp8/int8/awq; rtn4 stores like awq, int8-w8a8 like int8.
+    plan_quant = {"rtn4": "awq", "int8-w8a8": "int8", "none": None}.get(quant, quant) if quant else None
+    if pre_quant:
+        plan_quant = "fp8" if pre_quant == "compressed-tensors" else pre_quant
+    plan = make_plan(
+        cfg, hw, context=max_model_len or context, chats=chats, quant=plan_quant,
+        dtype=None if dtype == "auto" else dtype, gpu_memory_utilization=gpu_memory_utilization,
+        block_size=block_size,
+    )
+    dev = torch.device(plan.device)
+    torch_dtype = _DTYPES[plan.weight_dtype]
+    max_len = min(max_model_len or plan.max_model_len, cfg.max_position_embeddings)
+    blocks = num_kv_blocks or plan.num_kv_blocks
+    # An explicit method wins over the plan's label (rtn4 and int8-w8a8 plan as awq and int8).
+    method = pre_quant or (quant if quant not in (None, "none") else plan.quant)
+
+    swap = None
+    if pre_quant:
+        from localllm.quant import prepare_for_checkpoint
+
+        swap = lambda m: prepare_for_checkpoint(m, cfg.quantization)  # noqa: E731
+    report = (lambda d, t: progress("loading", d, t)) if progress else None
+    model = build_model(ckpt, torch_dtype, dev, max_len, report, swap)
+    if method and not pre_quant:
+        from localllm.quant import quantize_model
+
+        quantize_model(model, method, progress=(lambda d, t: progress("quantizing", d, t)) if progress else None)
+    return LoadedModel(
+        name=name or store.DEFAULT_MODEL, path=path, model=model, tokenizer=ckpt.tokenizer, plan=plan,
+        precision=method or plan.weight_dtype, device=dev, kv_dtype=_DTYPES[plan.kv_dtype],
+        max_model_len=max_len, num_kv_blocks=blocks, use_cuda_graphs=plan.use_cuda_graphs,
+        predicted_bytes=plan.expected_measured_bytes,
+    )
+
+
+def save_hf_folder(
+    ckpt: Checkpoint, out: Path, tensors: WeightIter | None = None, extra_config: dict[str, Any] | None = None
+) -> None:
+    """Writes an HF folder (config.json, model.safetensors, tokenizer files) that
+    ``open_checkpoint`` and transformers both read. ``tensors`` defaults to the checkpoint's
+    own weights (a GGUF becomes a plain fp32 HF export); quantizers pass their packed tensors
+    and ``extra_config`` (e.g. ``quantization_config``)."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = ckpt.config
+    hf = {
+        "architectures": [cfg.architecture],
+        "model_type": {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                       "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}[cfg.architecture],
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling, "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings, "attention_bias": cfg.qkv_bias,
+        "hidden_act": "silu", "torch_dtype": "float32",
+        "bos_token_id": ckpt.tokenizer.bos_token_id,
+        "eos_token_id": list(ckpt.tokenizer.eos_token_ids),
+    }
+    hf.update(extra_config or {})
+    (out / "config.json").write_text(json.dumps(hf, indent=2))
+    tok = ckpt.tokenizer
+    tok.backend.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": tok.chat_template, "bos_token": tok.bos_token, "eos_token": tok.eos_token,
+        "add_bos_token": tok.add_bos,
+    }, indent=2))
+    (out / "generation_config.json").write_text(json.dumps({
+        "bos_token_id": tok.bos_token_id, "eos_token_id": list(tok.eos_token_ids),
+    }, indent=2))
+    state = {name: t.contiguous() for name, t in (tensors if tensors is not None else ckpt.weights())}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})

@@ -1,0 +1,234 @@
+"""Group-wise int4 with zero points in AutoAWQ's "GEMM" checkpoint layout.
+
+Layout (what AutoAWQ writes and vLLM's ``awq`` method reads), for a linear ``in -> out``
+with group size G:
+- ``qweight`` int32 ``[in, out/8]``: the 4-bit codes of ``W^T`` packed eight to an int32
+  along the output dim; nibble i (bits 4i..4i+3) of word j holds column ``8j + AWQ_ORDER[i]``.
+- ``qzeros``  int32 ``[in/G, out/8]``: the integer zero point of each group, packed the same.
+- ``scales``  fp16  ``[in/G, out]``.
+- ``w[k, n] = (q[k, n] - z[k // G, n]) * s[k // G, n]``.
+
+RTN int4 (``rtn4``) and AWQ share this module: AWQ only changes the float weights it is given
+(scaled and clipped, see ``awq_search``), so both write and load the same format.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from localllm.errors import LocalLLMError
+from localllm.quant.linear import QuantLinear, cpu_backend
+
+# AutoAWQ interleaves columns inside each int32 so its CUDA kernel can dequantize pairs of
+# nibbles with one shift-and-mask into half2 lanes.
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # position of column c within a word
+GROUP_SIZES = (128, 64, 32)
+
+
+def awq_pack(codes: torch.Tensor) -> torch.Tensor:
+    """``[R, C]`` integer codes in 0..15 -> ``[R, C/8]`` int32 in AutoAWQ order."""
+    rows, cols = codes.shape
+    if cols % 8:
+        raise LocalLLMError(f"AWQ packing needs a multiple of 8 columns, got {cols}")
+    nib = codes.to(torch.int32).reshape(rows, cols // 8, 8)
+    packed = torch.zeros(rows, cols // 8, dtype=torch.int32, device=codes.device)
+    for i, col in enumerate(AWQ_ORDER):
+        packed |= (nib[:, :, col] & 0xF) << (4 * i)
+    return packed
+
+
+def awq_unpack(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``awq_pack``: ``[R, C/8]`` int32 -> ``[R, C]`` int32 codes in 0..15."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+    nib = (packed.unsqueeze(-1) >> shifts) & 0xF  # arithmetic shift; the mask drops sign bits
+    return nib[:, :, list(AWQ_REVERSE_ORDER)].reshape(packed.shape[0], -1)
+
+
+def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric round-to-nearest of ``w [out, in]`` per group of ``group_size`` inputs.
+
+    Returns codes ``[out, in]`` (int32, 0..15), scales ``[out, in/G]`` (fp16) and integer
+    zeros ``[out, in/G]`` (int32). Codes are computed against the fp16-rounded scale, so the
+    stored checkpoint dequantizes to exactly what ``fake_quant_int4`` returns.
+    """
+    out_f, in_f = w.shape
+    wg = w.float().reshape(out_f, in_f // group_size, group_size)
+    w_max, w_min = wg.amax(-1), wg.amin(-1)
+    scales = ((w_max - w_min).clamp(min=1e-5) / 15).half().float()
+    zeros = (-torch.round(w_min / scales)).clamp(0, 15)
+    codes = (torch.round(wg / scales.unsqueeze(-1)) + zeros.unsqueeze(-1)).clamp(0, 15)
+    return codes.reshape(out_f, in_f).to(torch.int32), scales.half(), zeros.to(torch.int32)
+
+
+def fake_quant_int4(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``w`` quantized and dequantized again (float32), for AWQ's error searches."""
+    codes, scales, zeros = quantize_int4(w, group_size)
+    out_f, in_f = w.shape
+    deq = (codes.reshape(out_f, -1, group_size) - zeros.unsqueeze(-1)) * scales.float().unsqueeze(-1)
+    return deq.reshape(out_f, in_f)
+
+
+def pick_group_size(in_dims: dict[str, int], requested: int | None) -> int:
+    """The largest of 128/64/32 dividing every input dim, or ``requested`` when it divides them."""
+    if requested is not None:
+        if requested <= 0 or requested % 8:
+            raise LocalLLMError(f"--group-size {requested}: use a positive multiple of 8 (128, 64 or 32)")
+        bad = next(((n, d) for n, d in in_dims.items() if d % requested), None)
+        if bad is not None:
+            ok = [g for g in GROUP_SIZES if all(d % g == 0 for d in in_dims.values())]
+            hint = f"use {ok[0]}" if ok else "no standard group size fits"
+            raise LocalLLMError(
+                f"--group-size {requested} does not divide the input dim {bad[1]} of {bad[0]}; {hint}"
+            )
+        return requested
+    for g in GROUP_SIZES:
+        if all(d % g == 0 for d in in_dims.values()):
+            return g
+    raise LocalLLMError(f"no int4 group size in {GROUP_SIZES} divides the input dims {sorted(set(in_dims.values()))}")
+
+
+def _awq_kernel():  # noqa: ANN202 - the kernel function or None
+    try:
+        from localllm.kernels.awq_gemm import awq_gemm
+    except ImportError:
+        return None
+    return awq_gemm
+
+
+class AWQLinear(QuantLinear):
+    """4-bit weights, fp16 group scales, integer zero points; the AutoAWQ GEMM format.
+
+    CUDA: the Triton AWQ GEMM of ``localllm.kernels``. CPU: torch's tinygemm int4 matmul
+    (``_weight_int4pack_mm_for_cpu``, bf16 activations) on a repacked copy made once at load,
+    which bench/quant_cpu.py measured faster than dequantize-then-matmul at every batch size;
+    ``LOCALLLM_QUANT_CPU_INT4=dequant`` selects the reference instead.
+    """
+
+    method = "awq"
+    shard_tensors = ("qweight", "qzeros", "scales")
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        group_size: int,
+        output_sizes: list[int] | None = None,
+        bias: bool = False,
+        online: bool = False,
+    ) -> None:
+        super().__init__(in_features, out_features, output_sizes, bias, online)
+        if in_features % group_size:
+            raise LocalLLMError(
+                f"AWQ group_size {group_size} does not divide the input dim {in_features}; "
+                "fix quantization_config.group_size (or pick 64/32 with --group-size)"
+            )
+        if any(s % 8 for s in self.output_sizes):
+            raise LocalLLMError(f"AWQ needs output dims that are multiples of 8, got {self.output_sizes}")
+        self.group_size = group_size
+        groups = in_features // group_size
+        self.register_buffer("qweight", torch.zeros(in_features, out_features // 8, dtype=torch.int32))
+        self.register_buffer("qzeros", torch.zeros(groups, out_features // 8, dtype=torch.int32))
+        self.register_buffer("scales", torch.zeros(groups, out_features, dtype=torch.float16))
+        # The CPU tinygemm layout, derived from the above once loading completes.
+        self._cpu_packed: torch.Tensor | None = None
+        self._cpu_scale_zeros: torch.Tensor | None = None
+
+    # ---- loading ----
+
+    def _load_shard(self, name: str, tensor: torch.Tensor, rows: slice, shard: int | None) -> None:
+        n = rows.stop - rows.start
+        groups = self.in_features // self.group_size
+        if name == "qweight":
+            self._check_shape(name, tensor, (self.in_features, n // 8))
+            self.qweight[:, rows.start // 8 : rows.stop // 8].copy_(tensor)
+            return
+        want = (groups, n // 8) if name == "qzeros" else (groups, n)
+        if tensor.dim() == 2 and tensor.shape[1] == want[1] and tensor.shape[0] != groups and tensor.shape[0]:
+            raise LocalLLMError(
+                f"checkpoint tensor {name!r} has {tensor.shape[0]} groups over {self.in_features} inputs "
+                f"(group size {self.in_features // tensor.shape[0]}), but quantization_config.group_size is "
+                f"{self.group_size}; fix group_size in config.json"
+            )
+        self._check_shape(name, tensor, want)
+        if name == "qzeros":
+            self.qzeros[:, rows.start // 8 : rows.stop // 8].copy_(tensor)
+        else:
+            self.scales[:, rows].copy_(tensor)
+
+    def set_weight(self, weight: torch.Tensor) -> None:
+        codes, scales, zeros = quantize_int4(weight.to(self.qweight.device), self.group_size)
+        self.qweight.copy_(awq_pack(codes.t()))
+        self.qzeros.copy_(awq_pack(zeros.t()))
+        self.scales.copy_(scales.t())
+        self._cpu_packed = None
+
+    def _finish_loading(self) -> None:
+        if self.qweight.device.type == "cpu" and cpu_backend("int4") != "dequant":
+            self._pack_for_cpu()
+
+    def _pack_for_cpu(self) -> None:
+        codes = awq_unpack(self.qweight).t().contiguous()  # [out, in]
+        zeros = awq_unpack(self.qzeros).float()  # [in/G, out]
+        scales = self.scales.float()
+        self._cpu_packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        # tinygemm computes (q - 8) * scale + zero with the zero in the float domain, so AWQ's
+        # (q - z) * s becomes scale s and zero (8 - z) * s.
+        self._cpu_scale_zeros = torch.stack((scales, (8 - zeros) * scales), dim=-1).to(torch.bfloat16).contiguous()
+
+    # ---- compute ----
+
+    def dequantize(self) -> torch.Tensor:
+        codes = awq_unpack(self.qweight).float()  # [in, out]
+        zeros = awq_unpack(self.qzeros).float().repeat_interleave(self.group_size, 0)
+        scales = self.scales.float().repeat_interleave(self.group_size, 0)
+        return ((codes - zeros) * scales).t().contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if x.is_cuda and (kernel := _awq_kernel()) is not None:
+            y = kernel(x2, self.qweight, self.qzeros, self.scales, self.group_size)
+        elif self._cpu_packed is not None and x.device.type == "cpu":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x2.to(torch.bfloat16), self._cpu_packed, self.group_size, self._cpu_scale_zeros
+            )
+        else:
+            y = F.linear(x2, self.dequantize().to(x.dtype))
+        return self._add_bias(y.to(x.dtype)).reshape(*shape[:-1], self.out_features)
+
+    def shard_state(self, rows: slice) -> dict[str, torch.Tensor]:
+        cols = slice(rows.start // 8, rows.stop // 8)
+        return {
+            "qweight": self.qweight[:, cols].cpu().contiguous(),
+            "qzeros": self.qzeros[:, cols].cpu().contiguous(),
+            "scales": self.scales[:, rows].cpu().contiguous(),
+        }
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, group_size={self.group_size}"
+
+
+def awq_config(group_size: int) -> dict[str, object]:
+    """The ``quantization_config`` AutoAWQ writes for a GEMM checkpoint."""
+    return {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm"}
+
+
+def check_awq_config(cfg: dict[str, object]) -> int:
+    """Validates an AWQ ``quantization_config``; returns the group size."""
+    bits = cfg.get("bits", cfg.get("w_bit", 4))
+    version = str(cfg.get("version", "gemm")).lower()
+    zero_point = cfg.get("zero_point", True)
+    group = cfg.get("group_size", cfg.get("q_group_size"))
+    if bits != 4:
+        raise LocalLLMError(f"config.json: AWQ with bits={bits} is not supported; localllm loads 4-bit AWQ")
+    if version != "gemm":
+        raise LocalLLMError(
+            f"config.json: AWQ version {version!r} is not supported; localllm loads the 'gemm' layout"
+        )
+    if not zero_point:
+        raise LocalLLMError("config.json: AWQ without zero points is not supported; use a zero_point=true checkpoint")
+    if not isinstance(group, int) or group <= 0:
+        raise LocalLLMError(f"config.json: AWQ group_size {group!r} must be a positive integer (e.g. 128)")
+    return group

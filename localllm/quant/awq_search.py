@@ -1,0 +1,179 @@
+"""Activation-aware weight quantization (AWQ, Lin et al. 2023), on the float model in place.
+
+Per decoder layer, on calibration activations that reach it through the float model:
+1. Capture the inputs of the four linear groups that share an input: qkv (after
+   input_layernorm), gate_up (after post_attention_layernorm), down (after silu*up) and o_proj
+   (after attention).
+2. For each group, grid-search the exponent ``alpha`` of per-input-channel scales
+   ``s = mean|x|^alpha`` (normalised to geometric mean 1): scaling salient input channels up
+   before int4 rounding shrinks their relative rounding error. The loss is the squared error
+   of the group's output with the int4 weight ``Q(W * s) / s`` against the float output.
+3. Fold ``s`` into whatever produces the input: the RMSNorm weight (qkv, gate_up), the up
+   rows of gate_up (down), the v rows of qkv (o_proj, only when there is one KV head per
+   query head; with GQA the v outputs feed several heads, so o_proj is left unscaled).
+4. Search a clipping ratio per (output row, group) that minimises the error of each
+   group's partial output, skipping q and k, whose errors the softmax amplifies.
+
+The next layer's inputs come from this layer's float output, as in AutoAWQ. The result is a
+float model whose weights ``quantize_model`` then rounds to nearest, in the AWQ layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from localllm.models.llama import DecoderLayer, LlamaForCausalLM
+from localllm.quant.awq import fake_quant_int4
+from localllm.quant.forward import BLOCK_SIZE, blocks_for, device_of, prefill_batch
+
+N_GRID = 20  # alpha points in [0, 1]
+CLIP_GRID = 20  # clip ratios 1 - i/20 ...
+MAX_SHRINK = 0.5  # ... down to 0.55 of the group's range
+SEARCH_TOKENS = 4096  # tokens used for the scale search loss
+CLIP_TOKENS = 512  # tokens used for the clipping search
+CLIP_ROWS = 256  # output rows per clipping chunk (bounds memory)
+
+
+def _subsample(x: torch.Tensor, n: int) -> torch.Tensor:
+    step = max(1, x.shape[0] // n)
+    return x[::step][:n]
+
+
+@torch.no_grad()
+def search_scale(x: torch.Tensor, w: torch.Tensor, group_size: int, n_grid: int = N_GRID) -> torch.Tensor:
+    """Best per-input-channel scale ``[K]`` for weight ``w [N, K]`` on inputs ``x [T, K]``."""
+    x = _subsample(x, SEARCH_TOKENS).float()
+    w = w.float()
+    x_mag = x.abs().mean(0)
+    ref = x @ w.t()
+    best_err, best = float("inf"), torch.ones_like(x_mag)
+    for alpha in torch.linspace(0, 1, n_grid).tolist():
+        s = x_mag.pow(alpha).clamp(min=1e-4)
+        s = s / (s.max() * s.min()).sqrt()
+        wq = fake_quant_int4(w * s, group_size) / s
+        err = (x @ wq.t() - ref).pow(2).mean().item()
+        if err < best_err:
+            best_err, best = err, s
+    return best
+
+
+@torch.no_grad()
+def search_clip(x: torch.Tensor, w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``w [N, K]`` clamped per (row, group) to the fraction of its [min, max] range that
+    minimises the squared error of that group's contribution to the output on ``x``."""
+    x = _subsample(x, CLIP_TOKENS).float()
+    n_out, k = w.shape
+    groups = k // group_size
+    xg = x.reshape(-1, groups, group_size)
+    clipped = torch.empty_like(w, dtype=torch.float32)
+    for r0 in range(0, n_out, CLIP_ROWS):
+        wc = w[r0 : r0 + CLIP_ROWS].float()
+        rows = wc.shape[0]
+        wg = wc.reshape(rows, groups, group_size)
+        w_max, w_min = wg.amax(-1, keepdim=True), wg.amin(-1, keepdim=True)
+        ref = torch.einsum("tgk,ngk->tng", xg, wg)
+        best_err = torch.full((rows, groups), float("inf"))
+        best_ratio = torch.ones(rows, groups)
+        for i in range(int(MAX_SHRINK * CLIP_GRID)):
+            ratio = 1 - i / CLIP_GRID
+            cand = wg.clamp(w_min * ratio, w_max * ratio)
+            q = fake_quant_int4(cand.reshape(rows, k), group_size).reshape(rows, groups, group_size)
+            err = (torch.einsum("tgk,ngk->tng", xg, q) - ref).pow(2).mean(0)
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_ratio = torch.where(better, torch.full_like(best_ratio, ratio), best_ratio)
+        r = best_ratio.unsqueeze(-1)
+        clipped[r0 : r0 + rows] = wg.clamp(w_min * r, w_max * r).reshape(rows, k)
+    return clipped.to(w.dtype)
+
+
+class _Capture:
+    """Forward pre-hooks that keep the input of named linears of one layer."""
+
+    def __init__(self, modules: dict[str, nn.Module]) -> None:
+        self.inputs: dict[str, torch.Tensor] = {}
+        self.handles = [m.register_forward_pre_hook(self._hook(n)) for n, m in modules.items()]
+
+    def _hook(self, name: str) -> Callable[[nn.Module, tuple[torch.Tensor, ...]], None]:
+        def hook(_: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+            self.inputs[name] = args[0].detach().float().clone()
+
+        return hook
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+@torch.no_grad()
+def _quantize_layer(layer: DecoderLayer, feats: dict[str, torch.Tensor], group_size: int) -> None:
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv, o, gate_up, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+    inter = down.in_features
+
+    s = search_scale(feats["qkv"], qkv.weight, group_size)
+    layer.input_layernorm.weight.div_(s.to(layer.input_layernorm.weight.dtype))
+    qkv.weight.mul_(s.to(qkv.weight.dtype))
+    feats["qkv"] /= s
+
+    if attn.q_size == attn.kv_size:  # MHA: o_proj's input channels are v's output rows
+        s = search_scale(feats["o"], o.weight, group_size)
+        v_rows = slice(attn.q_size + attn.kv_size, attn.q_size + 2 * attn.kv_size)
+        qkv.weight[v_rows].div_(s[:, None].to(qkv.weight.dtype))
+        if qkv.bias is not None:
+            qkv.bias[v_rows].div_(s.to(qkv.bias.dtype))
+        o.weight.mul_(s.to(o.weight.dtype))
+        feats["o"] /= s
+
+    s = search_scale(feats["gate_up"], gate_up.weight, group_size)
+    layer.post_attention_layernorm.weight.div_(s.to(layer.post_attention_layernorm.weight.dtype))
+    gate_up.weight.mul_(s.to(gate_up.weight.dtype))
+    feats["gate_up"] /= s
+
+    s = search_scale(feats["down"], down.weight, group_size)
+    gate_up.weight[inter:].div_(s[:, None].to(gate_up.weight.dtype))
+    down.weight.mul_(s.to(down.weight.dtype))
+    feats["down"] /= s
+
+    v_rows = slice(attn.q_size + attn.kv_size, attn.q_size + 2 * attn.kv_size)
+    qkv.weight[v_rows] = search_clip(feats["qkv"], qkv.weight[v_rows], group_size)
+    o.weight.copy_(search_clip(feats["o"], o.weight, group_size))
+    gate_up.weight.copy_(search_clip(feats["gate_up"], gate_up.weight, group_size))
+    down.weight.copy_(search_clip(feats["down"], down.weight, group_size))
+
+
+@torch.no_grad()
+def awq_search(
+    model: LlamaForCausalLM,
+    calib: Sequence[Sequence[int]],
+    group_size: int,
+    progress: Callable[[int, int], None] | None = None,
+) -> None:
+    """Rescales and clips ``model``'s float linears (and RMSNorm weights) for int4 with
+    ``group_size``, layer by layer, on the calibration token sequences ``calib``."""
+    cfg = model.config
+    dev = device_of(model)
+    dtype = model.lm_head.weight.dtype
+    batch = prefill_batch([list(s) for s in calib], dev)
+    # One layer's KV pool, handed from layer to layer: only one layer runs at a time.
+    pool = torch.zeros(2, blocks_for(batch.lengths), BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim,
+                       dtype=dtype, device=dev)
+    x = model.model.embed_tokens(batch.input_ids)
+    residual: torch.Tensor | None = None
+    layers = model.model.layers
+    for i, layer in enumerate(layers):
+        attn = layer.self_attn
+        attn.k_cache, attn.v_cache = pool[0], pool[1]
+        cap = _Capture({"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": layer.mlp.gate_up_proj,
+                        "down": layer.mlp.down_proj})
+        try:
+            x, residual = layer(x, residual, batch.positions, model.cos_sin, batch.meta)
+        finally:
+            cap.remove()
+        attn.k_cache = attn.v_cache = torch.empty(0)
+        _quantize_layer(layer, cap.inputs, group_size)
+        if progress is not None:
+            progress(i + 1, len(layers))

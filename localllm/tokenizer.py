@@ -1,0 +1,237 @@
+"""Tokenizer, chat template and incremental detokenizer.
+
+Built either from an HF folder (tokenizer.json, tokenizer_config.json, generation_config.json)
+or from a GGUF file's vocab and merges, so both loads of the same model give the same ids.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from localllm.errors import LocalLLMError
+
+Message = dict[str, str]
+
+# Used only when a model ships no template at all.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
+    " + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# llama.cpp's pre-tokenizer names -> the split regex HF uses for that model family.
+_GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    if pre == "smollm":
+        return pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        )
+    if pre in ("llama-bpe", "llama3", "smaug-bpe"):
+        split = pre_tokenizers.Split(Regex(_LLAMA3_REGEX), behavior="isolated")
+        return pre_tokenizers.Sequence([split, byte_level])
+    if pre in ("qwen2", "deepseek-r1-qwen"):
+        split = pre_tokenizers.Split(Regex(_QWEN2_REGEX), behavior="isolated")
+        return pre_tokenizers.Sequence([split, byte_level])
+    if pre in ("gpt2", "default", ""):
+        return pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raise LocalLLMError(f"GGUF pre-tokenizer {pre!r} is not supported (smollm, gpt2, llama-bpe, qwen2)")
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@dataclass(slots=True)
+class Tokenizer:
+    """Invariant: ``eos_token_ids`` holds every id that ends a reply (eos plus e.g. <|im_end|>)."""
+
+    backend: HFTokenizer
+    chat_template: str | None
+    bos_token: str | None
+    eos_token: str | None
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    add_bos: bool
+    _template: Any = field(default=None, repr=False, init=False)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos and self.bos_token_id is not None:
+            if not ids or ids[0] != self.bos_token_id:
+                ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+        """Renders in a sandbox: a template is code shipped by whoever published the model."""
+        if self._template is None:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
+                x, indent=indent, ensure_ascii=ensure_ascii
+            )
+            env.globals["raise_exception"] = _raise_exception
+            env.globals["strftime_now"] = _strftime_now
+            self._template = env.from_string(self.chat_template or CHATML_TEMPLATE)
+        for m in messages:
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise LocalLLMError(f"chat message {m!r} needs 'role' and 'content'")
+        try:
+            return self._template.render(
+                messages=list(messages),
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except TemplateError as e:
+            raise LocalLLMError(f"the model's chat template rejected the conversation: {e}") from e
+
+    def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        # The template writes the BOS token itself when the model wants one.
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    # ---- construction ----
+
+    @classmethod
+    def from_hf_dir(cls, path: Path) -> Tokenizer:
+        tok_file = path / "tokenizer.json"
+        if not tok_file.is_file():
+            raise LocalLLMError(f"{tok_file}: missing; an HF model folder needs tokenizer.json")
+        try:
+            backend = HFTokenizer.from_file(str(tok_file))
+        except Exception as e:
+            raise LocalLLMError(f"{tok_file}: cannot be read as a tokenizers file ({e})") from e
+        cfg = _read_json(path / "tokenizer_config.json")
+        gen = _read_json(path / "generation_config.json")
+
+        def token_text(value: Any) -> str | None:
+            return value.get("content") if isinstance(value, dict) else value
+
+        bos, eos = token_text(cfg.get("bos_token")), token_text(cfg.get("eos_token"))
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # several named templates: take the default
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if template is None and (path / "chat_template.jinja").is_file():
+            template = (path / "chat_template.jinja").read_text()
+        eos_ids: list[int] = []
+        gen_eos = gen.get("eos_token_id")
+        eos_ids += gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else []
+        if eos is not None and backend.token_to_id(eos) is not None:
+            eos_ids.append(backend.token_to_id(eos))
+        bos_id = backend.token_to_id(bos) if bos else gen.get("bos_token_id")
+        add_bos = bool(cfg.get("add_bos_token", False))
+        return cls._finish(backend, template, bos, eos, bos_id, eos_ids, add_bos)
+
+    @classmethod
+    def from_gguf_fields(cls, fields: dict[str, Any], source: str) -> Tokenizer:
+        model_kind = fields.get("tokenizer.ggml.model")
+        if model_kind != "gpt2":
+            raise LocalLLMError(
+                f"{source}: GGUF tokenizer model {model_kind!r} is not supported yet (BPE 'gpt2' only); "
+                "use the model's HF folder instead"
+            )
+        tokens: list[str] = fields["tokenizer.ggml.tokens"]
+        merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
+        types: list[int] = fields.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        vocab = {t: i for i, t in enumerate(tokens)}
+        backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+        backend.pre_tokenizer = _gguf_pre_tokenizer(fields.get("tokenizer.ggml.pre", "gpt2"))
+        backend.decoder = decoders.ByteLevel()
+        # 3 = control (e.g. <|im_end|>), 4 = user-defined: both must match as whole tokens.
+        special = [AddedToken(tokens[i], special=(types[i] == 3), normalized=False)
+                   for i in range(len(tokens)) if types[i] in (3, 4)]
+        backend.add_tokens([t for t in special if not t.special])
+        backend.add_special_tokens([t for t in special if t.special])
+        bos_id = fields.get("tokenizer.ggml.bos_token_id")
+        eos_id = fields.get("tokenizer.ggml.eos_token_id")
+        eos_ids = [eos_id] if eos_id is not None else []
+        bos = tokens[bos_id] if bos_id is not None else None
+        eos = tokens[eos_id] if eos_id is not None else None
+        add_bos = bool(fields.get("tokenizer.ggml.add_bos_token", False))
+        return cls._finish(backend, fields.get("tokenizer.chat_template"), bos, eos, bos_id, eos_ids, add_bos)
+
+    @classmethod
+    def _finish(
+        cls,
+        backend: HFTokenizer,
+        template: str | None,
+        bos: str | None,
+        eos: str | None,
+        bos_id: int | None,
+        eos_ids: list[int],
+        add_bos: bool,
+    ) -> Tokenizer:
+        # A chat model's turn terminator also ends the reply, even where the config names only
+        # the document eos (SmolLM2's GGUF lists <|endoftext|> but the reply ends with <|im_end|>).
+        for end in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>"):
+            tid = backend.token_to_id(end)
+            if tid is not None and template and end in template:
+                eos_ids.append(tid)
+        return cls(backend, template, bos, eos, bos_id, tuple(dict.fromkeys(eos_ids)), add_bos)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise LocalLLMError(f"{path}: not valid JSON ({e})") from e
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas.
+
+    Invariant: the concatenation of all deltas equals ``decode(all ids)`` except for a trailing
+    incomplete UTF-8 sequence, which is held back (never emitted as U+FFFD) until the bytes that
+    complete it arrive. Decoding a small window that starts a few tokens back keeps merged
+    pieces (leading spaces, multi-byte characters) intact at a constant cost per token.
+    """
+
+    __slots__ = ("tokenizer", "ids", "prefix_offset", "read_offset")
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def add(self, new_ids: Sequence[int]) -> str:
+        self.ids.extend(new_ids)
+        decode = self.tokenizer.decode
+        prefix_text = decode(self.ids[self.prefix_offset : self.read_offset])
+        new_text = decode(self.ids[self.prefix_offset :])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return new_text[len(prefix_text) :]
+        return ""

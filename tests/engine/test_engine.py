@@ -1,0 +1,161 @@
+"""Engine behaviour on the real default model: batching invariance under preemption and
+aborts, prefix caching, stragglers, seeded sampling and the async API."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from localllm.engine.async_engine import AsyncEngine
+from localllm.engine.engine import EngineConfig, LLMEngine
+from localllm.engine.sequence import SamplingParams
+
+TOPICS = ["the ocean", "a red bicycle", "mountains", "bread baking", "the moon", "chess", "rainy days",
+          "a library", "trains", "volcanoes", "honey bees", "winter", "jazz music", "deserts", "robots", "tea"]
+
+
+def _engine(path, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(path), dtype="float32", device="cpu", **kw))
+
+
+@pytest.fixture(scope="module")
+def small_pool_engine(default_model_path) -> LLMEngine:
+    # 30 blocks x 16 tokens: 16 requests of up to ~90 tokens cannot all fit, so the scheduler
+    # must preempt; a 48-token step budget forces chunked prefill mixed with decodes.
+    return _engine(default_model_path, num_kv_blocks=30, max_num_batched_tokens=48)
+
+
+def _run_alone(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> list[int]:
+    rid = engine.add_request(prompt, params)
+    final = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == rid and out.finished:
+                final = out
+    assert final is not None
+    return final.outputs[0].token_ids
+
+
+def test_batched_outputs_equal_solo_runs_under_preemption_and_aborts(small_pool_engine: LLMEngine) -> None:
+    engine = small_pool_engine
+    rng = random.Random(7)
+    tok = engine.tokenizer
+    requests = []
+    for i, topic in enumerate(TOPICS):
+        words = " ".join(rng.choice(["Tell", "me", "a", "short", "story", "about", "please", "now"])
+                         for _ in range(rng.randint(2, 30)))
+        prompt = tok.encode(f"{words} Here is a sentence about {topic}:")
+        params = SamplingParams(temperature=0.0, max_tokens=rng.randint(4, 40), ignore_eos=True)
+        arrival = rng.randint(0, 25)
+        abort_at = arrival + rng.randint(1, 10) if i % 5 == 4 else None
+        requests.append((f"r{i}", prompt, params, arrival, abort_at))
+
+    results: dict[str, list[int]] = {}
+    step = 0
+    preemptions_before = engine.scheduler.num_preemptions
+    while step < 400:
+        for rid, prompt, params, arrival, abort_at in requests:
+            if arrival == step:
+                engine.add_request(prompt, params, rid)
+            if abort_at == step and rid in engine.requests:
+                engine.abort_request(rid)
+                results[rid] = None  # type: ignore[assignment]
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = out.outputs[0].token_ids
+        step += 1
+        if step > 30 and not engine.has_unfinished():
+            break
+    assert not engine.has_unfinished()
+    assert engine.scheduler.num_preemptions > preemptions_before, "the pool was meant to force preemption"
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks  # no leak: every block is free (cached or not)
+    assert all(b.ref_count == 0 for b in bm.blocks)
+    for rid, prompt, params, _, abort_at in requests:
+        if results.get(rid) is None:
+            assert abort_at is not None
+            continue
+        assert results[rid] == _run_alone(engine, prompt, params), rid
+
+
+def test_seeded_sampling_is_reproducible_inside_a_busy_batch(small_pool_engine: LLMEngine) -> None:
+    engine = small_pool_engine
+    prompt = engine.tokenizer.encode("My favourite animal is")
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = _run_alone(engine, prompt, seeded)
+    for i in range(5):
+        engine.add_request(engine.tokenizer.encode(f"Busy request {i} about {TOPICS[i]}"),
+                           SamplingParams(temperature=0.8, max_tokens=20, ignore_eos=True))
+    busy = _run_alone(engine, prompt, seeded)
+    assert busy == alone
+    other_seed = _run_alone(engine, prompt, SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=16,
+                                                           ignore_eos=True))
+    assert other_seed != alone
+
+
+def test_straggler_does_not_hold_back_short_requests(small_pool_engine: LLMEngine) -> None:
+    engine = small_pool_engine
+    tok = engine.tokenizer
+    engine.add_request(tok.encode("Write a very long essay."), SamplingParams(temperature=0, max_tokens=2000,
+                                                                             ignore_eos=True), "long")
+    for i in range(15):
+        engine.add_request(tok.encode(f"Q{i}:"), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), f"s{i}")
+    finished: set[str] = set()
+    max_batch = 0
+    while len(finished) < 15:
+        for out in engine.step():
+            if out.finished:
+                finished.add(out.request_id)
+        max_batch = max(max_batch, engine.stats().batch_size)
+    assert "long" not in finished and "long" in engine.requests  # still running
+    assert max_batch > 1
+    engine.abort_request("long")
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_shared_prefix_is_reused_and_output_unchanged(default_model_path) -> None:
+    engine = _engine(default_model_path)
+    tok = engine.tokenizer
+    prefix = tok.encode(" ".join(f"Fact {i}: the number {i} is {'even' if i % 2 == 0 else 'odd'}." for i in range(200)))
+    prefix = prefix[:1000]
+    assert len(prefix) == 1000
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    first = engine.generate([prefix + tok.encode(" Question one: is 7 odd?")], params)[0]
+    second = engine.generate([prefix + tok.encode(" Question two: is 12 even?")], params)[0]
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens >= 992
+    cold = _engine(default_model_path, enable_prefix_caching=False)
+    reference = cold.generate([prefix + tok.encode(" Question two: is 12 even?")], params)[0]
+    assert reference.num_cached_tokens == 0
+    assert second.outputs[0].token_ids == reference.outputs[0].token_ids
+
+
+async def test_async_engine_streams_and_aborts_on_cancel(small_pool_engine: LLMEngine) -> None:
+    engine = AsyncEngine(small_pool_engine)
+    try:
+        chat = [{"role": "user", "content": "Count from one to ten."}]
+        deltas = []
+        async for out in engine.generate(chat, SamplingParams(temperature=0, max_tokens=12)):
+            deltas.append(out.outputs[0].delta_text)
+            final = out
+        assert final.finished and "".join(deltas) == final.outputs[0].text
+
+        async def consume_two() -> None:
+            n = 0
+            async for _ in engine.generate(chat, SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)):
+                n += 1
+                if n == 2:
+                    break  # the consumer walks away: the request must be aborted
+
+        await consume_two()
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if not small_pool_engine.requests and not small_pool_engine.has_unfinished():
+                break
+        bm = small_pool_engine.block_manager
+        assert not small_pool_engine.requests
+        assert bm.num_free_blocks == bm.num_blocks
+    finally:
+        engine.shutdown()

@@ -1,0 +1,120 @@
+"""`localllm probe` end to end, and the probe on this machine (which has no NVIDIA driver)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from localllm.cli import main
+from localllm.hardware.probe import MemoryMeter, measure_bandwidth, probe_hardware
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_probe_hardware_never_raises_and_explains_a_missing_gpu() -> None:
+    hw = probe_hardware()
+    assert hw.cpu.logical_cores >= 1 and hw.ram_total_bytes > 0
+    if hw.gpu is None:
+        assert hw.device == "cpu"
+        assert any(n.startswith("no NVIDIA GPU:") for n in hw.notes)
+    json.dumps(hw.to_dict())
+
+
+def test_probe_prints_a_cpu_profile_and_every_model(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["probe"]) == 0
+    out = capsys.readouterr().out
+    assert "Hardware" in out and "CPU" in out and "RAM" in out
+    assert "smollm2-135m-instruct" in out and "llama-3.1-70b-instruct" in out
+
+
+def test_probe_json_for_one_model(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["probe", "--json", "--model", "smollm2-135m-instruct"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["schema_version"] == 1
+    assert set(doc) >= {"hardware", "bandwidth", "request", "models"}
+    (row,) = doc["models"]
+    assert row["id"] == "smollm2-135m-instruct" and row["status"] == "fits"
+    assert row["kv_bytes_per_token"] in (46_080, 23_040)  # fp32 KV on CPU, bf16 on a GPU
+    assert row["plan"]["max_model_len"] == 8192
+    if doc["hardware"]["device"] == "cpu":
+        assert row["plan"]["kv_dtype"] == "float32"
+
+
+def test_probe_for_a_gpu_this_machine_lacks(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["probe", "--json", "--gpu", "RTX 4090", "--context", "32768", "--chats", "2"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["hardware"]["hypothetical"] and doc["hardware"]["device"] == "cuda"
+    assert doc["bandwidth"] == {"gbs": 1008, "source": "GPU table"}
+    rows = {r["id"]: r for r in doc["models"]}
+    assert rows["llama-3.1-8b-instruct"]["precision"] == "fp8"
+    assert rows["llama-3.1-8b-instruct"]["decode_tok_s_bound"] > 0
+    assert rows["llama-3.1-70b-instruct"]["status"] == "does_not_fit"
+    assert rows["llama-3.1-70b-instruct"]["suggestions"]
+    assert rows["smollm2-135m-instruct"]["status"] == "error"  # 32K is beyond its 8K context
+
+
+def test_probe_by_vram_alone(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["probe", "--json", "--vram", "12", "--model", "qwen3-8b"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["models"][0]["precision"] == "int8"  # 12 GiB, assumed sm86: no FP8 tensor cores
+
+
+def _run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "localllm.cli", "probe", *args],
+        capture_output=True, text=True, cwd=REPO, env={**os.environ, **(env or {})}, timeout=120,
+    )
+
+
+def test_probe_subprocess_exits_0_with_a_cpu_profile() -> None:
+    result = _run_cli("--model", "smollm2-135m-instruct")
+    assert result.returncode == 0, result.stderr
+    assert "CPU" in result.stdout and "smollm2-135m-instruct" in result.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--gpu", "RTX 9999"], "unknown GPU 'RTX 9999'"),
+    (["--context", "-5"], "--context must be a positive"),
+])
+def test_bad_input_exits_2_with_one_line(args: list[str], message: str) -> None:
+    result = _run_cli(*args)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("localllm: error:") and message in lines[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_malformed_models_toml_exits_2_with_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "models.toml"
+    bad.write_text('[[model]]\nid = "x"\nhf_repo = "o/x"\n')
+    result = _run_cli(env={"LOCALLLM_CATALOG": str(bad)})
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(bad) in lines[0] and "model 'x'" in lines[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_other_bad_input_in_process(capsys: pytest.CaptureFixture[str]) -> None:
+    for args in (["--model", "nope"], ["--chats", "0"], ["--vram", "0"], ["--gpu", "H100", "--measure"]):
+        assert main(["probe", *args]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("localllm: error:")
+
+
+def test_measure_bandwidth_on_cpu() -> None:
+    gbs = measure_bandwidth("cpu", nbytes=32 << 20, repeats=2)
+    assert 0.1 < gbs < 10_000
+
+
+def test_memory_meter_sees_touched_pages() -> None:
+    import torch
+
+    with MemoryMeter("cpu") as meter:
+        t = torch.ones(64 << 20, dtype=torch.uint8)
+    assert meter.actual_bytes >= 56 << 20
+    del t

@@ -1,0 +1,71 @@
+"""A plain reference forward pass, independent of the engine: full recompute, no KV cache,
+explicit softmax attention, HF's rotate-half RoPE. Tests compare the engine against it."""
+
+from __future__ import annotations
+
+import torch
+
+from localllm.models.llama import ModelConfig, rope_cos_sin
+
+
+def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.float()
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+@torch.no_grad()
+def reference_logits(cfg: ModelConfig, sd: dict[str, torch.Tensor], token_ids: list[int]) -> torch.Tensor:
+    """[len(token_ids), vocab] fp32 logits from HF-named weights ``sd``."""
+    T = len(token_ids)
+    H, KV, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    cs = rope_cos_sin(cfg, T)
+    cos = torch.cat([cs[:, : D // 2]] * 2, dim=-1)[:, None, :]
+    sin = torch.cat([cs[:, D // 2 :]] * 2, dim=-1)[:, None, :]
+    x = sd["model.embed_tokens.weight"][torch.tensor(token_ids)]
+    mask = torch.full((T, T), float("-inf")).triu(1)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        h = _norm(x, sd[p + "input_layernorm.weight"], cfg.rms_norm_eps)
+        q, k, v = (h @ sd[p + f"self_attn.{n}_proj.weight"].T for n in "qkv")
+        if cfg.qkv_bias:
+            q, k, v = q + sd[p + "self_attn.q_proj.bias"], k + sd[p + "self_attn.k_proj.bias"], v + sd[p + "self_attn.v_proj.bias"]
+        q, k, v = q.view(T, H, D), k.view(T, KV, D), v.view(T, KV, D)
+        if cfg.qk_norm:
+            q = _norm(q, sd[p + "self_attn.q_norm.weight"], cfg.rms_norm_eps)
+            k = _norm(k, sd[p + "self_attn.k_norm.weight"], cfg.rms_norm_eps)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        k = k.repeat_interleave(H // KV, dim=1)
+        v = v.repeat_interleave(H // KV, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) / D**0.5 + mask
+        attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(T, H * D)
+        x = x + attn @ sd[p + "self_attn.o_proj.weight"].T
+        h = _norm(x, sd[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
+        gate, up = h @ sd[p + "mlp.gate_proj.weight"].T, h @ sd[p + "mlp.up_proj.weight"].T
+        x = x + (torch.nn.functional.silu(gate) * up) @ sd[p + "mlp.down_proj.weight"].T
+    x = _norm(x, sd["model.norm.weight"], cfg.rms_norm_eps)
+    head = sd["lm_head.weight"] if "lm_head.weight" in sd else sd["model.embed_tokens.weight"]
+    return x @ head.T
+
+
+def hf_state_dict(ckpt) -> dict[str, torch.Tensor]:  # noqa: ANN001 - a loader Checkpoint
+    return {k: v.float() for k, v in ckpt.weights()}
+
+
+def reference_greedy(
+    cfg: ModelConfig, sd: dict[str, torch.Tensor], prompt: list[int], n: int, eos: tuple[int, ...] = ()
+) -> list[int]:
+    ids = list(prompt)
+    out: list[int] = []
+    for _ in range(n):
+        token = int(reference_logits(cfg, sd, ids)[-1].argmax())
+        out.append(token)
+        if token in eos:
+            break
+        ids.append(token)
+    return out

@@ -1,0 +1,38 @@
+"""Chat template and incremental detokenization on the default model's tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+
+from localllm.errors import LocalLLMError
+from localllm.tokenizer import IncrementalDetokenizer
+
+
+def test_chat_template_adds_generation_prompt(default_checkpoint) -> None:
+    tok = default_checkpoint.tokenizer
+    text = tok.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert text.endswith("<|im_start|>assistant\n")
+    assert "<|im_start|>system\nYou are a helpful AI assistant named SmolLM" in text
+    ids = tok.encode_chat([{"role": "user", "content": "Hi"}])
+    assert ids[0] == tok.backend.token_to_id("<|im_start|>")  # special tokens map to single ids
+
+
+def test_template_is_sandboxed(default_checkpoint) -> None:
+    from dataclasses import replace
+
+    tok = replace(default_checkpoint.tokenizer, chat_template="{{ ''.__class__.__mro__[1].__subclasses__() }}")
+    with pytest.raises(LocalLLMError, match="unsafe"):
+        tok.apply_chat_template([{"role": "user", "content": "x"}])
+    bad = replace(default_checkpoint.tokenizer, chat_template="{{ raise_exception('only user/assistant roles') }}")
+    with pytest.raises(LocalLLMError, match="only user/assistant roles"):
+        bad.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+@pytest.mark.parametrize("text", ["Grüße, 世界! 🎉🎉 naïve café", "def f(x):\n    return x ** 2  # ok", "  spaces   and\ttabs"])
+def test_incremental_detokenizer_streams_exact_text(default_checkpoint, text: str) -> None:
+    tok = default_checkpoint.tokenizer
+    ids = tok.encode(text)
+    detok = IncrementalDetokenizer(tok)
+    pieces = [detok.add([i]) for i in ids]
+    assert "".join(pieces) == tok.decode(ids) == text
+    assert all("\ufffd" not in p for p in pieces)  # never a broken UTF-8 sequence

@@ -51,6 +51,9 @@ __all__ = [
     "launch_configs",
     "next_power_of_2",
     "num_sms",
+    "round_half_even",
+    "round_to_e4m3_grid",
+    "scale_tensor",
     "tl",
     "triton",
     "use_triton",
@@ -121,13 +124,42 @@ def launch_configs(configs: Sequence[Config]) -> list[Config]:
     return list(configs[:1]) if INTERPRET else list(configs)
 
 
+def _quick_bench(kernel_call: Callable[[], Any], quantiles: Any) -> Any:
+    # Shorter than Triton's default 25 ms warm-up + 100 ms of repetitions: a model has a few
+    # dozen (shape, batch bucket) keys to tune at start-up, and these kernels run for µs.
+    from triton.testing import do_bench
+
+    return do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
+
+
 def make_autotuner(fn: Any, configs: Sequence[Config], key: list[str]) -> Any:
     """Wraps a jitted kernel in ``triton.autotune``; results persist on disk where supported."""
-    kwargs: dict[str, Any] = {"configs": [c.to_triton() for c in launch_configs(configs)], "key": key}
+    kwargs: dict[str, Any] = {
+        "configs": [c.to_triton() for c in launch_configs(configs)],
+        "key": key,
+        "do_bench": _quick_bench,
+    }
     try:
         return triton.autotune(cache_results=True, **kwargs)(fn)
     except TypeError:  # pragma: no cover - triton < 3.2 has no cache_results
         return triton.autotune(**kwargs)(fn)
+
+
+# FP8 scales given as python floats become 1-element device tensors once, so a call under
+# CUDA-graph capture never does a host-to-device copy (pass tensors to avoid even the first).
+_SCALES: dict[tuple[float, torch.device], torch.Tensor] = {}
+
+
+def scale_tensor(s: float | torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    if isinstance(s, torch.Tensor):
+        if s.device == device and s.dtype == torch.float32 and s.numel() == 1:
+            return s.reshape(1)
+        return s.reshape(1).to(device=device, dtype=torch.float32)
+    value = 1.0 if s is None else float(s)
+    t = _SCALES.get((value, device))
+    if t is None:
+        t = _SCALES[(value, device)] = torch.tensor([value], dtype=torch.float32, device=device)
+    return t
 
 
 # --- per-shape backend choice -------------------------------------------------------------------

@@ -35,7 +35,6 @@ from localllm.kernels._triton import (
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
-_SHIFTS = tuple(range(0, 32, 4))
 
 
 def awq_pack(intweight: torch.Tensor) -> torch.Tensor:
@@ -52,10 +51,12 @@ def awq_pack(intweight: torch.Tensor) -> torch.Tensor:
 def awq_unpack(packed: torch.Tensor) -> torch.Tensor:
     """int32 [R, N // 8] -> int32 [R, N] in logical column order (values 0..15)."""
     rows, words = packed.shape
-    shifts = torch.tensor(_SHIFTS, dtype=torch.int32, device=packed.device)
+    # arange rather than a tensor from a list: no host-to-device copy, so a CUDA graph can
+    # capture the reference too.
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
     nibbles = (packed[:, :, None] >> shifts) & 0xF  # [R, N/8, 8], nibble i
-    order = torch.tensor(AWQ_REVERSE_ORDER, device=packed.device)
-    return nibbles.index_select(2, order).reshape(rows, words * 8)
+    # Column c = 2a + b sits in nibble 4b + a (AWQ_REVERSE_ORDER): a [2, 4] -> [4, 2] transpose.
+    return nibbles.view(rows, words, 2, 4).transpose(-1, -2).reshape(rows, words * 8)
 
 
 def awq_dequantize(
@@ -143,7 +144,7 @@ def _awq_gemm_kernel(
     shifts = (((offs_n % 8) // 2) + (offs_n % 2) * 4) * 4
 
     # A K tile holds GROUPS_PER_TILE whole groups, or lies inside one group.
-    GROUPS_PER_TILE: tl.constexpr = BLOCK_K // GROUP_SIZE if BLOCK_K > GROUP_SIZE else 1
+    GROUPS_PER_TILE: tl.constexpr = (BLOCK_K + GROUP_SIZE - 1) // GROUP_SIZE
     ROWS_PER_GROUP: tl.constexpr = BLOCK_K // GROUPS_PER_TILE
     num_groups = K // GROUP_SIZE
 

@@ -36,10 +36,10 @@ _EPS = 1e-10
 
 
 def quantize_per_token_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (xq float8_e4m3fn [M, K], x_scale fp32 [M]) with x ~= xq * x_scale[:, None]."""
+    """x [M, K] -> (xq float8_e4m3fn [M, K], x_scale fp32 [M, 1]) with x ~= xq * x_scale."""
     xf = x.float()
-    scale = xf.abs().amax(dim=-1).clamp(min=_EPS) / FP8_MAX
-    xq = (xf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=_EPS) / FP8_MAX
+    xq = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return xq, scale
 
 
@@ -53,7 +53,7 @@ def fp8_w8a8_gemm_ref(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -
     x2 = x.reshape(-1, k)
     xq, x_scale = quantize_per_token_fp8_ref(x2)
     acc = xq.float() @ w.float().t()
-    out = acc * x_scale[:, None] * w_scale.float()[None, :]
+    out = acc * x_scale * w_scale.reshape(1, n).float()
     return out.to(x.dtype).view(*shape[:-1], n)
 
 
@@ -204,7 +204,7 @@ def quantize_per_token_fp8_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.
         x2 = x2.contiguous()
     m = x2.shape[0]
     xq = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty((m,), dtype=torch.float32, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m:
         block_k = min(next_power_of_2(k), 4096)
         _quant_fp8_kernel[(m,)](
@@ -214,7 +214,7 @@ def quantize_per_token_fp8_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 
 def quantize_per_token_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (xq e4m3 [M, K], x_scale fp32 [M]); see ``quantize_per_token_fp8_ref``."""
+    """x [M, K] -> (xq e4m3 [M, K], x_scale fp32 [M, 1]); see ``quantize_per_token_fp8_ref``."""
     if use_triton(x):
         return quantize_per_token_fp8_triton(x)
     return quantize_per_token_fp8_ref(x.reshape(-1, x.shape[-1]))
@@ -261,7 +261,7 @@ def _scaled_mm_path(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> 
     shape = x.shape
     xq, x_scale = quantize_per_token_fp8_triton(x.reshape(-1, shape[-1]))
     out = torch._scaled_mm(
-        xq, w.t(), scale_a=x_scale[:, None], scale_b=w_scale.float().reshape(1, -1), out_dtype=x.dtype
+        xq, w.t(), scale_a=x_scale, scale_b=w_scale.float().reshape(1, -1), out_dtype=x.dtype
     )
     return out.view(*shape[:-1], w.shape[0])
 

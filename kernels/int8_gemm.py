@@ -33,13 +33,13 @@ _EPS = 1e-10
 
 
 def quantize_per_token_int8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (xq int8 [M, K], x_scale fp32 [M]) with x ~= xq * x_scale[:, None].
+    """x [M, K] -> (xq int8 [M, K], x_scale fp32 [M, 1]) with x ~= xq * x_scale.
 
     Symmetric, scale = max|row| / 127, round half to even; an all-zero row gets a tiny scale
-    and zeros."""
+    and zeros. The [M, 1] scale shape is vLLM's (``scaled_int8_quant``)."""
     xf = x.float()
-    scale = xf.abs().amax(dim=-1).clamp(min=_EPS) / 127.0
-    xq = torch.round(xf / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=_EPS) / 127.0
+    xq = torch.round(xf / scale).clamp(-127, 127).to(torch.int8)
     return xq, scale
 
 
@@ -52,6 +52,7 @@ def int8_w8a16_gemm_ref(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor)
     """
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
+    w_scale = w_scale.reshape(-1)
     if x.dtype == torch.bfloat16 and not x.is_cuda and x2.shape[0] > 0:
         out = torch._weight_int8pack_mm(x2.contiguous(), w, w_scale.to(torch.bfloat16))
     elif x.dtype == torch.float32:
@@ -83,7 +84,7 @@ def int8_w8a8_gemm_ref(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) 
         acc = torch._int_mm(xq, w.t()).float()
     else:
         acc = xq.float() @ w.float().t()
-    out = acc * x_scale[:, None] * w_scale[None, :]
+    out = acc * x_scale * w_scale.reshape(1, n).float()
     return out.to(x.dtype).view(*shape[:-1], n)
 
 
@@ -173,13 +174,16 @@ def _int8_gemm_kernel(
         w = tl.load(w_rows + offs_k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0)
         if A8:
             acc = tl.dot(x, w, acc, out_dtype=tl.int32)
-        elif DOT_FP32:
-            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
         elif FP16_MAGIC:
             # 0x6480 + w is the fp16 bit pattern of 1152 + w for w in [-128, 127]: exact and
             # without int-to-float conversions, which run at 1/8 of the FMA rate.
             wf = (w.to(tl.int16) + 0x6480).to(tl.float16, bitcast=True) - 1152.0
-            acc = tl.dot(x, wf, acc)
+            if DOT_FP32:
+                acc = tl.dot(x.to(tl.float32), wf.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, wf, acc)
+        elif DOT_FP32:
+            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(x, w.to(x.dtype), acc)
 
@@ -242,7 +246,7 @@ def quantize_per_token_int8_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch
         x2 = x2.contiguous()
     m = x2.shape[0]
     xq = torch.empty((m, k), dtype=torch.int8, device=x.device)
-    scale = torch.empty((m,), dtype=torch.float32, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m:
         block_k = min(next_power_of_2(k), 4096)
         _quant_int8_kernel[(m,)](x2, xq, scale, k, x2.stride(0), xq.stride(0), BLOCK_K=block_k, num_warps=4)
@@ -250,7 +254,7 @@ def quantize_per_token_int8_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch
 
 
 def quantize_per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (xq int8 [M, K], x_scale fp32 [M]); see ``quantize_per_token_int8_ref``."""
+    """x [M, K] -> (xq int8 [M, K], x_scale fp32 [M, 1]); see ``quantize_per_token_int8_ref``."""
     if use_triton(x):
         return quantize_per_token_int8_triton(x)
     return quantize_per_token_int8_ref(x.reshape(-1, x.shape[-1]))
@@ -318,7 +322,7 @@ def _int_mm_path(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> tor
     shape = x.shape
     xq, x_scale = quantize_per_token_int8_triton(x.reshape(-1, shape[-1]))
     acc = torch._int_mm(xq, w.t())
-    out = (acc.float() * x_scale[:, None] * w_scale.float()[None, :]).to(x.dtype)
+    out = (acc.float() * x_scale * w_scale.reshape(1, -1).float()).to(x.dtype)
     return out.view(*shape[:-1], w.shape[0])
 
 

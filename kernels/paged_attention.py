@@ -32,6 +32,7 @@ from localllm.kernels._triton import (
     dot_fp32,
     next_power_of_2,
     num_sms,
+    scale_tensor,
     tl,
     triton,
     use_triton,
@@ -127,8 +128,8 @@ def _find_seq_idx(qsl_ptr, target, num_seqs, BLOCK_Q: tl.constexpr):
     query_start_loc alone, so the grid size needs no device-to-host copy.
     """
     base = tl.load(qsl_ptr)
-    lo = 0
-    hi = num_seqs
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
         first = (tl.load(qsl_ptr + mid) - base) // BLOCK_Q + mid
@@ -324,12 +325,6 @@ def _reduce_splits_kernel(
     tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
-def _scale_tensor(s: ScaleArg, device: torch.device) -> torch.Tensor:
-    if isinstance(s, torch.Tensor):
-        return s.reshape(1).to(device=device, dtype=torch.float32)
-    return torch.tensor([1.0 if s is None else float(s)], dtype=torch.float32, device=device)
-
-
 def _tile_config(q: torch.Tensor, qpkv: int, head_dim: int, decode: bool) -> tuple[int, int, int, int]:
     """(BLOCK_M, TILE_N, num_warps, num_stages) for this device.
 
@@ -406,8 +401,9 @@ def paged_attention_triton(
     assert num_heads % num_kv_heads == 0
     qpkv = num_heads // num_kv_heads
     fp8 = k_cache.dtype in FP8_DTYPES
-    k_scale_t = _scale_tensor(k_scale, q.device)
-    v_scale_t = _scale_tensor(v_scale, q.device)
+    # Without an FP8 cache the scale pointers are never read; any tensor will do.
+    k_scale_t = scale_tensor(k_scale, q.device) if fp8 else q
+    v_scale_t = scale_tensor(v_scale, q.device) if fp8 else q
     block_d = max(16, next_power_of_2(head_dim))
     fp32 = dot_fp32(q)
     common = dict(

@@ -14,6 +14,7 @@ from localllm.kernels._triton import (
     INTERPRET,
     next_power_of_2,
     round_to_e4m3_grid,
+    scale_tensor,
     tl,
     triton,
     use_triton,
@@ -188,12 +189,6 @@ def _rotary_and_store_kv_kernel(
                  v.to(v_cache_ptr.dtype.element_ty), mask=mask)  # fmt: skip
 
 
-def _scale_tensor(s: ScaleArg, device: torch.device) -> torch.Tensor:
-    if isinstance(s, torch.Tensor):
-        return s.reshape(1).to(device=device, dtype=torch.float32)
-    return torch.tensor([1.0 if s is None else float(s)], dtype=torch.float32, device=device)
-
-
 def rotary_and_store_kv_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -223,7 +218,7 @@ def rotary_and_store_kv_triton(
     assert k_cache.dtype not in FP8_DTYPES or fp8, "FP8 KV cache must be e4m3"
     _rotary_and_store_kv_kernel[(num_tokens,)](
         q, k, v, q_out, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
-        _scale_tensor(k_scale, q.device), _scale_tensor(v_scale, q.device),
+        scale_tensor(k_scale, q.device) if fp8 else q, scale_tensor(v_scale, q.device) if fp8 else q,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         q_out.stride(0), q_out.stride(1), cos_sin_cache.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

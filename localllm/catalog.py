@@ -92,7 +92,9 @@ def load_catalog(path: Path | None = None) -> dict[str, CatalogEntry]:
     try:
         raw = path.read_bytes()
     except OSError as e:
-        raise LocalLLMError(f"{path}: cannot read the model catalog ({e.strerror or e}); reinstall localllm or fix LOCALLLM_CATALOG") from None
+        raise LocalLLMError(
+            f"{path}: cannot read the model catalog ({e.strerror or e}); reinstall localllm or fix LOCALLLM_CATALOG"
+        ) from None
     try:
         data = tomllib.loads(raw.decode("utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:

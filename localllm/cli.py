@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Callable, Sequence
 from importlib.metadata import PackageNotFoundError, version
@@ -85,11 +86,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Subcommands that live beside their subsystem; each module's register(sub) adds its parser.
 _EXTRA_COMMANDS: list[str] = [
+    "localllm.quant.cli:register",
     "localllm.hardware.cli:register",
 ]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # OpenMP's spin-wait steals the cores from the UI thread and from other processes; on a
+    # loaded 2-core machine passive waiting decoded 2.2x faster (10.0 vs 4.5 tok/s, measured).
+    # Must be set before torch is imported.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

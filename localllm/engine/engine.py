@@ -34,8 +34,8 @@ class EngineConfig:
     max_model_len: int | None = None
     context: int | None = None  # the context wanted per chat, for planning
     chats: int = 4  # concurrent chats wanted, for planning
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None  # None = the plan's
+    max_num_batched_tokens: int | None = None  # None = the plan's
     block_size: int = 16
     num_kv_blocks: int | None = None  # override the plan (tests force preemption with it)
     enable_prefix_caching: bool = True
@@ -112,10 +112,13 @@ class LLMEngine:
         self.runner = ModelRunner(
             loaded.model, loaded.num_kv_blocks, config.block_size, loaded.kv_dtype, loaded.max_model_len,
             use_cuda_graphs=config.use_cuda_graphs and loaded.use_cuda_graphs,
-            max_graph_batch=config.max_num_seqs,
+            max_graph_batch=config.max_num_seqs or self.plan.max_num_seqs,
         )
-        budget = config.max_num_batched_tokens or (2048 if self.device.type == "cuda" else 256)
-        self.scheduler = Scheduler(self.block_manager, budget, config.max_num_seqs)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            config.max_num_batched_tokens or self.plan.max_num_batched_tokens,
+            config.max_num_seqs or self.plan.max_num_seqs,
+        )
         self.requests: dict[str, Sequence] = {}
         self._prompt_text: dict[str, str | None] = {}
         self._ids = itertools.count()

@@ -52,10 +52,11 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_blocks_per_seq = -(-max_model_len // block_size)
-        self.kv_cache = torch.zeros(
+        self.kv_cache = torch.empty(
             2, cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
             dtype=kv_dtype, device=self.device,
         )
+        self.kv_cache.fill_(0)  # touch every page now: the pool is reserved up front, and measured
         for i, layer in enumerate(model.model.layers):
             layer.self_attn.k_cache = self.kv_cache[0, i]
             layer.self_attn.v_cache = self.kv_cache[1, i]

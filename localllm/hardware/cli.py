@@ -58,6 +58,10 @@ def run(args: argparse.Namespace) -> int:
     if args.measure and hypothetical:
         raise LocalLLMError("--measure measures this machine; it cannot be combined with --gpu or --vram")
 
+    if args.gpu:
+        from localllm.hardware.probe import lookup_gpu
+
+        lookup_gpu(args.gpu)  # an unknown name fails now, before the (slow) probe
     catalog = load_catalog()
     if args.model is not None:
         entry = catalog.get(args.model) or next(
@@ -115,7 +119,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _row(entry: CatalogEntry, hw: Hardware, args: argparse.Namespace, bandwidth: float | None, *, strict: bool) -> dict[str, Any]:
+def _row(
+    entry: CatalogEntry, hw: Hardware, args: argparse.Namespace, bandwidth: float | None, *, strict: bool
+) -> dict[str, Any]:
     from localllm.hardware.planner import DoesNotFit, decode_tokens_per_s, plan
     from localllm.hardware.sizing import kv_bytes_per_token, weight_bytes
 
@@ -166,7 +172,7 @@ def _row(entry: CatalogEntry, hw: Hardware, args: argparse.Namespace, bandwidth:
         status="fits",
         fits=True,
         precision=p.precision,
-        reason=p.reasons[2],
+        reason=p.precision_reason,
         weight_bytes=p.weight_bytes,
         kv_bytes_per_token=p.kv_bytes_per_token,
         max_context=min(entry.max_context, p.kv_capacity_tokens),
@@ -204,7 +210,8 @@ def _render(doc: dict[str, Any], hw: Hardware, args: argparse.Namespace) -> None
     if hw.gpu is not None:
         target = f"{hw.gpu.name}, {args.gpu_memory_utilization:.0%} of {fmt_bytes(hw.gpu.total_bytes)}"
     else:
-        target = f"CPU, RAM budget {fmt_bytes(hw.ram_available_bytes * CPU_RAM_FRACTION)} ({CPU_RAM_FRACTION:.0%} of available)"
+        budget = fmt_bytes(hw.ram_available_bytes * CPU_RAM_FRACTION)
+        target = f"CPU, RAM budget {budget} ({CPU_RAM_FRACTION:.0%} of available)"
     bw_text = f"{bw['gbs']:,.0f} GB/s ({bw['source']})" if bw["gbs"] else "unknown (use --measure)"
     console.print(f"  plan for {target}; memory bandwidth {bw_text}")
     console.print()

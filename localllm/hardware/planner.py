@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from localllm.errors import LocalLLMError
-from localllm.hardware.probe import GiB, MiB, GPUInfo, Hardware, MemoryMeter, probe_hardware
+from localllm.hardware.probe import GiB, GPUInfo, Hardware, MemoryMeter, MiB, probe_hardware
 from localllm.hardware.sizing import (
     DTYPE_BYTES,
     QUANTS,
@@ -91,6 +91,11 @@ class Plan:
         return precision_label(self.weight_dtype, self.quant)
 
     @property
+    def precision_reason(self) -> str:
+        """Why this precision: reasons are device, budget, precision, KV dtype, pool, context, batch, graphs."""
+        return self.reasons[2]
+
+    @property
     def kv_tokens(self) -> int:
         return self.num_kv_blocks * self.block_size
 
@@ -109,7 +114,8 @@ class Plan:
 
     def summary(self) -> str:
         lines = [
-            f"{self.model} on {self.device}: {self.precision} weights, KV cache {_LABELS.get(self.kv_dtype, self.kv_dtype)}",
+            f"{self.model} on {self.device}: {self.precision} weights,"
+            f" KV cache {_LABELS.get(self.kv_dtype, self.kv_dtype)}",
             f"  memory: weights {fmt_bytes(self.weight_bytes)} + KV pool {fmt_bytes(self.kv_bytes)}"
             f" ({self.kv_tokens:,} tokens) + overhead {fmt_bytes(self.overhead_bytes)}"
             f" = {fmt_bytes(self.total_bytes)} of a {fmt_bytes(self.budget_bytes)} budget",
@@ -215,7 +221,9 @@ def _model_max_context(model: Any) -> int | None:
     return None
 
 
-def _validate(context: int | None, chats: int, quant: str | None, dtype: str | None, util: float, block_size: int) -> None:
+def _validate(
+    context: int | None, chats: int, quant: str | None, dtype: str | None, util: float, block_size: int
+) -> None:
     if context is not None and (not isinstance(context, int) or context <= 0):
         raise LocalLLMError(f"context must be a positive number of tokens, got {context}")
     if not isinstance(chats, int) or chats < 1:
@@ -246,7 +254,8 @@ def _target(hw: Hardware, util: float) -> _Target:
         return _Target(
             device="cuda", gpu=gpu, budget=budget,
             where=f"{gpu.name} ({fmt_bytes(gpu.total_bytes)}, {util:.0%} usable)",
-            device_reason=f"device cuda: {gpu.name}, {fmt_bytes(gpu.total_bytes)}, compute capability {gpu.cc_str} ({kind})",
+            device_reason=(f"device cuda: {gpu.name}, {fmt_bytes(gpu.total_bytes)},"
+                           f" compute capability {gpu.cc_str} ({kind})"),
             budget_reason=budget_reason,
             full_path=full_path,
             seqs_cap=256 if full_path else 64,
@@ -261,8 +270,9 @@ def _target(hw: Hardware, util: float) -> _Target:
         budget_reason=(f"RAM budget {fmt_bytes(budget)} = {CPU_RAM_FRACTION:.0%} of {fmt_bytes(hw.ram_available_bytes)}"
                        f" available"),
         full_path=False,
-        # Batching pays even on 2 cores: 8 streams gave ~2x one stream's throughput here.
-        seqs_cap=8,
+        # Concurrency is bounded by KV blocks actually held, not by slots; batching pays even
+        # on 2 cores (8 streams gave ~2x one stream's throughput here).
+        seqs_cap=64,
         batched_tokens=512,
     )
 
@@ -272,26 +282,31 @@ def _ladder(t: _Target, hw: Hardware, quant: str | None, dtype: str | None) -> l
         gpu = t.gpu
         assert gpu is not None
         if dtype == "bfloat16" and not gpu.has_bf16:
-            raise LocalLLMError(f"bfloat16 needs compute capability 8.0+, {gpu.name} is {gpu.cc_str}; use --dtype float16")
+            raise LocalLLMError(
+                f"bfloat16 needs compute capability 8.0+, {gpu.name} is {gpu.cc_str}; use --dtype float16")
         compute = dtype or ("bfloat16" if gpu.has_bf16 else "float16")
+        half, sm = _LABELS[compute], f"sm{gpu.cc_str.replace('.', '')}"
         if quant == "fp8" and not gpu.has_fp8_tensor_cores:
-            return [_Rung(compute, "fp8", f"fp8 as asked: weight storage only on sm{gpu.cc_str.replace('.', '')} (no FP8 tensor cores), dequantized to {_LABELS[compute]} for the matmuls")]
+            why = f"fp8 as asked: weight storage only on {sm} (no FP8 tensor cores), dequantized to {half} for matmuls"
+            return [_Rung(compute, "fp8", why)]
         if quant:
             return [_Rung(compute, quant, f"{precision_label(compute, quant)} as asked")]
         if t.full_path and dtype is None:
             return [
-                _Rung(compute, "fp8", f"fp8 (W8A8): Hopper-class sm{gpu.cc_str.replace('.', '')} full path, FP8 tensor cores and half the weight reads of bf16"),
+                _Rung(compute, "fp8", f"fp8 (W8A8): Hopper-class {sm} full path, FP8 tensor cores and half the"
+                                      " weight reads of bf16"),
                 _Rung(compute, "awq", "awq-int4: FP8 does not leave room for the wanted KV"),
             ]
-        middle = (
-            _Rung(compute, "fp8", f"fp8 (W8A8): {_LABELS[compute]} does not leave room for the wanted KV, and sm{gpu.cc_str.replace('.', '')} has FP8 tensor cores")
-            if gpu.has_fp8_tensor_cores
-            else _Rung(compute, "int8", f"int8 weight-only: {_LABELS[compute]} does not leave room for the wanted KV; no FP8 tensor cores on sm{gpu.cc_str.replace('.', '')}, so INT8 halves the weights")
-        )
+        if gpu.has_fp8_tensor_cores:
+            middle = _Rung(compute, "fp8", f"fp8 (W8A8): {half} does not leave room for the wanted KV, and {sm} has"
+                                           " FP8 tensor cores")
+        else:
+            middle = _Rung(compute, "int8", f"int8 weight-only: {half} does not leave room for the wanted KV; no FP8"
+                                            f" tensor cores on {sm}, so INT8 halves the weights")
         return [
-            _Rung(compute, None, f"{_LABELS[compute]}: fits with room for the wanted KV"),
+            _Rung(compute, None, f"{half}: fits with room for the wanted KV"),
             middle,
-            _Rung(compute, "awq", f"awq-int4: nothing at 8 bits leaves room for the wanted KV"),
+            _Rung(compute, "awq", "awq-int4: nothing at 8 bits leaves room for the wanted KV"),
         ]
     cpu = hw.cpu
     if dtype is not None:
@@ -320,6 +335,9 @@ def _fit(model: ModelDims, t: _Target, rung: _Rung, graphs: bool, batched_tokens
     kv_dtype = "float32" if t.device == "cpu" else rung.weight_dtype
     act_dtype = "float32" if t.device == "cpu" else rung.weight_dtype
     weights = weight_bytes(model, rung.weight_dtype, rung.quant)
+    if t.device == "cpu" and (rung.weight_dtype != "float32" or rung.quant):
+        # The engine keeps an fp32 copy of the output head on CPU (LlamaForCausalLM.keep_fp32_logits).
+        weights += model.vocab_size * model.hidden_size * 4
     workspace = workspace_bytes(model, act_dtype, batched_tokens, max(chats, t.seqs_cap))
     if t.device == "cuda":
         runtime = CUDA_GRAPH_BYTES if graphs else 0
@@ -352,7 +370,8 @@ def plan(
     name = _model_name(model)
     model_max = _model_max_context(model)
     if context is not None and model_max is not None and context > model_max:
-        raise LocalLLMError(f"context {context:,} is longer than {name}'s maximum of {model_max:,} tokens; use {model_max} or less")
+        raise LocalLLMError(
+            f"context {context:,} is longer than {name}'s maximum of {model_max:,} tokens; use {model_max} or less")
     wanted = context if context is not None else min(model_max or DEFAULT_CONTEXT, DEFAULT_CONTEXT)
     need = wanted * chats
     t = _target(hw, gpu_memory_utilization)
@@ -404,7 +423,8 @@ def plan(
             max_len = max(wanted, min(model_max or wanted, room))
             ctx_reason = (f"max_model_len {max_len:,}: no context given, and the KV pool holds the model's full"
                           f" {max_len:,} tokens for {per_chat}" if model_max is not None and max_len >= model_max
-                          else f"max_model_len {max_len:,}: no context given; the KV pool holds that much for {per_chat}")
+                          else f"max_model_len {max_len:,}: no context given; the KV pool holds that much"
+                          f" for {per_chat}")
         pool_reason = (f"KV pool {num_blocks:,} blocks x {block_size} = {num_blocks * block_size:,} tokens"
                        f" ({fmt_bytes(num_blocks * block_size * chosen.kvpt)}): all that is left under the budget")
         seqs = max(chats, min(t.seqs_cap, num_blocks))
@@ -421,12 +441,14 @@ def plan(
         max_len = wanted
         ctx_reason = (f"max_model_len {max_len:,}: as asked" if context is not None
                       else f"max_model_len {max_len:,}: no context given"
-                      + (f" (the model allows {model_max:,}; pass a context for more)" if model_max and model_max > wanted else ""))
+                      + (f" (the model allows {model_max:,}; pass a context for more)"
+                         if model_max and model_max > wanted else ""))
         pool_reason = (f"KV pool {num_blocks:,} blocks x {block_size} = {num_blocks * block_size:,} tokens"
                        f" ({fmt_bytes(num_blocks * block_size * chosen.kvpt)}): {max_len:,} tokens x {per_chat};"
                        f" the budget could hold {chosen.capacity:,}")
         seqs = max(chats, min(t.seqs_cap, num_blocks))
-        seq_reason = f"max_num_seqs {seqs}: batching pays on CPU too (8 streams gave ~2x one stream's throughput)"
+        seq_reason = (f"max_num_seqs {seqs}: batching pays on CPU too (8 streams gave ~2x one stream's throughput);"
+                      " the KV pool, not this cap, bounds concurrency")
         graphs_reason = "CUDA graphs off: running on the CPU"
     reasons += [pool_reason, ctx_reason, seq_reason, graphs_reason]
 

@@ -8,6 +8,7 @@ table of known cards, so the planner can answer "what would fit on an RTX 4090?"
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import os
 import platform
@@ -339,10 +340,8 @@ def _probe_nvml() -> tuple[list[GPUInfo], str | None]:
     except pynvml.NVMLError as e:
         return gpus, f"NVML: {e}"
     finally:
-        try:
+        with contextlib.suppress(pynvml.NVMLError):
             pynvml.nvmlShutdown()
-        except pynvml.NVMLError:
-            pass
     if not gpus:
         return [], "NVML found no NVIDIA GPU"
     return gpus, None

@@ -23,14 +23,23 @@ AWQ_ZERO_BYTES = 0.5
 
 
 class ModelDims(Protocol):
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    tie_word_embeddings: bool
+    # Read-only properties, so frozen dataclasses (the catalog) satisfy it as well as plain classes.
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def num_heads(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def intermediate_size(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def tie_word_embeddings(self) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,9 +31,12 @@ def blocks_for(lengths: Sequence[int]) -> int:
     return sum(-(-n // BLOCK_SIZE) for n in lengths)
 
 
-def prefill_batch(seqs: Sequence[Sequence[int]], device: torch.device) -> Batch:
+def prefill_batch(
+    seqs: Sequence[Sequence[int]], device: torch.device, capacity: Sequence[int] | None = None
+) -> Batch:
+    """``capacity[i]`` (default: its length) is how many tokens sequence i may grow to."""
     lengths = [len(s) for s in seqs]
-    per_seq = [-(-n // BLOCK_SIZE) for n in lengths]
+    per_seq = [-(-n // BLOCK_SIZE) for n in (capacity or lengths)]
     width = max(per_seq)
     tables = torch.zeros(len(seqs), width, dtype=torch.int32)
     first = 0
@@ -97,7 +100,7 @@ def greedy_generate(model: LlamaForCausalLM, prompts: Sequence[Sequence[int]], m
     dev = device_of(model)
     total = [len(p) + max_new for p in prompts]
     KVPool(model, blocks_for(total))
-    b = prefill_batch(prompts, dev)
+    b = prefill_batch(prompts, dev, total)
     hidden = model(b.input_ids, b.positions, b.meta)
     last = b.meta.query_start_loc[1:].long() - 1
     nxt = model.compute_logits(hidden[last]).argmax(-1)

@@ -45,10 +45,10 @@ def test_batched_outputs_equal_solo_runs_under_preemption_and_aborts(small_pool_
     requests = []
     for i, topic in enumerate(TOPICS):
         words = " ".join(rng.choice(["Tell", "me", "a", "short", "story", "about", "please", "now"])
-                         for _ in range(rng.randint(2, 30)))
+                         for _ in range(rng.randint(2, 24)))
         prompt = tok.encode(f"{words} Here is a sentence about {topic}:")
-        params = SamplingParams(temperature=0.0, max_tokens=rng.randint(4, 40), ignore_eos=True)
-        arrival = rng.randint(0, 25)
+        params = SamplingParams(temperature=0.0, max_tokens=rng.randint(12, 36), ignore_eos=True)
+        arrival = rng.randint(0, 6)
         abort_at = arrival + rng.randint(1, 10) if i % 5 == 4 else None
         requests.append((f"r{i}", prompt, params, arrival, abort_at))
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from localllm.hardware.probe import GiB, CPUInfo, Hardware, hardware_for_gpu
+from localllm.hardware.probe import CPUInfo, GiB, Hardware, hardware_for_gpu
 
 
 def cpu_hw(flags: tuple[str, ...] = ("avx2", "fma"), available_gib: float = 16.0) -> Hardware:

@@ -6,16 +6,16 @@ from dataclasses import dataclass
 
 import pytest
 
-from localllm.catalog import load_catalog
+from localllm.catalog import CatalogEntry, load_catalog
 from localllm.hardware import sizing
 
 
 @pytest.fixture(scope="module")
-def llama70b():  # noqa: ANN201 - a catalog entry
+def llama70b() -> CatalogEntry:
     return load_catalog()["llama-3.1-70b-instruct"]
 
 
-def test_seed_llama_70b_kv_figures(llama70b) -> None:  # noqa: ANN001
+def test_seed_llama_70b_kv_figures(llama70b: CatalogEntry) -> None:
     per_token = sizing.kv_bytes_per_token(llama70b, "bfloat16")
     assert per_token == 327_680  # "about 328 KB"
     one = sizing.kv_bytes(llama70b, 128 * 1024, "bfloat16")

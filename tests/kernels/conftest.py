@@ -24,3 +24,13 @@ def device() -> str:
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _bf16_only_on_gpu(request: pytest.FixtureRequest) -> None:
+    """The interpreter's fp32 -> bf16 cast loses the rounding carry (some values come out 2x
+    off), so cases parametrized with bf16 run only on a GPU."""
+    params = getattr(request.node, "callspec", None)
+    if INTERPRET and params is not None and params.params.get("dtype") == torch.bfloat16:
+        pytest.skip("bf16 outputs are unreliable under TRITON_INTERPRET; runs on CUDA")
+

@@ -101,10 +101,11 @@ def test_gqa_ratios_mixed_batch(device: str, num_heads: int, num_kv_heads: int) 
 
 
 @pytest.mark.parametrize("head_dim", [80, 96])
-def test_head_dims_fp16(device: str, head_dim: int) -> None:
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_head_dims(device: str, head_dim: int, dtype: torch.dtype) -> None:
     # Padded BLOCK_D (80 -> 128, 96 -> 128) with an odd block size and ragged prefills.
     lens = [(1, 11), (5, 12), (9, 9)]
-    batch = make_batch(lens, 4, 2, head_dim, 5, torch.float16, device)
+    batch = make_batch(lens, 4, 2, head_dim, 5, dtype, device)
     check(batch, num_splits=1, block_m=16, tile_n=16)
 
 

@@ -8,10 +8,12 @@ import torch
 from localllm.kernels.activation import silu_and_mul, silu_and_mul_ref, silu_and_mul_triton
 from localllm.kernels.rmsnorm import rms_norm, rms_norm_ref, rms_norm_triton
 
-DTYPES = [torch.float32, torch.float16]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 def tol(dtype: torch.dtype) -> dict[str, float]:
+    if dtype == torch.bfloat16:
+        return {"atol": 2e-2, "rtol": 2e-2}
     return {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-3, "rtol": 2e-3}
 
 

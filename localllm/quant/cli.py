@@ -1,0 +1,122 @@
+"""The ``quantize`` and ``eval`` subcommands. ``register`` runs when the parser is built, so
+it imports nothing heavy; the handlers import torch when they run."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+_METHODS = ("awq", "rtn4", "int8", "int8-w8a8", "fp8")
+
+
+def _positive(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"{value} must be positive")
+    return n
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("quantize", help="quantize a model and write it as a checkpoint (AWQ, INT8, FP8)")
+    p.add_argument("model", nargs="?", default=None,
+                   help="catalog name, HF repo id, local HF folder or .gguf file (default: the embedded default)")
+    p.add_argument("--method", required=True, help=f"one of {', '.join(_METHODS)}")
+    p.add_argument("-o", "--output", required=True, help="folder to write the HF checkpoint to")
+    p.add_argument("--calib", default=None, help="calibration text for awq (default: the Apache-2.0 license text)")
+    p.add_argument("--calib-tokens", type=_positive, default=8192, help="calibration tokens for awq (default 8192)")
+    p.add_argument("--group-size", type=_positive, default=None,
+                   help="int4 group size (default: the largest of 128/64/32 dividing every input dim)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.set_defaults(func=run_quantize)
+
+    p = sub.add_parser("eval", help="perplexity, speed and greedy agreement per quantization mode")
+    p.add_argument("model", nargs="?", default=None,
+                   help="catalog name, HF repo id, local HF folder or .gguf file (default: the embedded default)")
+    p.add_argument("--text", required=True, help="plain-text file to measure perplexity on")
+    p.add_argument("--quant", default="none,fp8,int8,awq,rtn4",
+                   help="comma-separated modes: none, fp8, int8, int8-w8a8, awq, rtn4 (default: all but int8-w8a8)")
+    p.add_argument("--calib", default=None, help="calibration text for awq; must differ from --text")
+    p.add_argument("--calib-tokens", type=_positive, default=8192)
+    p.add_argument("--group-size", type=_positive, default=None, help="int4 group size (awq, rtn4)")
+    p.add_argument("--max-tokens", type=_positive, default=None, help="evaluate at most this many tokens of --text")
+    p.add_argument("--window", type=_positive, default=512, help="perplexity window in tokens (default 512)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                   help="float dtype of the unquantized parts (auto: float32 on cpu, bfloat16 on cuda)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=run_eval)
+
+
+def run_quantize(args: argparse.Namespace) -> int:
+    import sys
+    import time
+    from pathlib import Path
+
+    import torch
+
+    from localllm import store
+    from localllm.errors import LocalLLMError
+    from localllm.models.loader import build_model, open_checkpoint
+    from localllm.quant import check_method, int4_group_size, quantize_model, weight_bytes
+    from localllm.quant.checkpoint import save_quantized
+    from localllm.quant.eval import DEFAULT_CALIB, calibration_samples
+
+    method = check_method(args.method)
+    if method == "none":
+        raise LocalLLMError(f"--method: choose one of {', '.join(_METHODS)}")
+    out = Path(args.output).expanduser()
+    path = store.resolve(args.model)
+    ckpt = open_checkpoint(path)
+    if ckpt.config.quantization:
+        raise LocalLLMError(f"{path}: already quantized ({ckpt.config.quantization.get('quant_method')}); "
+                            "quantize its float original")
+    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise LocalLLMError("--device cuda: torch sees no CUDA GPU here; use --device cpu")
+
+    def say(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    calib = None
+    if method == "awq":
+        calib_file = Path(args.calib).expanduser() if args.calib else DEFAULT_CALIB
+        if args.calib is None and not DEFAULT_CALIB.is_file():
+            raise LocalLLMError("awq needs calibration text: pass --calib FILE")
+        calib = calibration_samples(ckpt.tokenizer, calib_file, args.calib_tokens)
+        say(f"calibrating on {calib_file} ({sum(len(c) for c in calib)} tokens)")
+    t0 = time.perf_counter()
+    say(f"loading {path}")
+    # float32 on the CPU: the searches and the rounding see the checkpoint's values unrounded
+    model = build_model(ckpt, torch.float32 if dev.type == "cpu" else torch.bfloat16, dev, 2048)
+    group = int4_group_size(model, args.group_size) if method in ("awq", "rtn4") else None
+    before = weight_bytes(model)
+    stage = "awq search: layer" if method == "awq" else "quantizing: linear"
+
+    def progress(done: int, total: int) -> None:
+        if sys.stderr.isatty() or done == total:
+            end = "\n" if done == total else ""
+            print(f"\r{stage} {done}/{total}", end=end, file=sys.stderr, flush=True)
+
+    def staged(done: int, total: int) -> None:
+        nonlocal stage
+        progress(done, total)
+        if method == "awq" and done == total and stage.startswith("awq"):
+            stage = "quantizing: linear"
+
+    quantize_model(model, method, progress=staged, group_size=group, calib=calib)
+    save_quantized(model, ckpt.tokenizer, path, out, method, group)
+    size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    say(f"{method}{f' (group {group})' if group else ''}: weights {before / 2**20:.1f} MiB -> "
+        f"{weight_bytes(model) / 2**20:.1f} MiB in memory, {size / 2**20:.1f} MiB on disk, "
+        f"{time.perf_counter() - t0:.0f} s")
+    print(out)
+    return 0
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from localllm.quant.eval import run
+
+    return run(args)

@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from localllm.quant import make_quant_linear
+from localllm.quant.methods import make_quant_linear
 from localllm.quant.fp8 import FP8_DTYPE, FP8_MAX
 from localllm.quant.linear import QuantLinear
 

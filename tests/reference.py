@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from localllm.models.llama import ModelConfig, rope_cos_sin
+import math
+
+from localllm.models.llama import ModelConfig
 
 
 def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -19,14 +21,35 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
+def _inv_freq(cfg: ModelConfig) -> list[float]:
+    """Per-frequency, as the Llama 3.1 paper's scaling rule reads (no tensor tricks)."""
+    out = []
+    scaling = cfg.rope_scaling or {}
+    for i in range(0, cfg.head_dim, 2):
+        f = 1.0 / cfg.rope_theta ** (i / cfg.head_dim)
+        if scaling.get("rope_type") == "llama3":
+            old, factor = scaling["original_max_position_embeddings"], scaling["factor"]
+            low_wavelen = old / scaling["low_freq_factor"]
+            high_wavelen = old / scaling["high_freq_factor"]
+            wavelen = 2 * math.pi / f
+            if wavelen > low_wavelen:
+                f = f / factor
+            elif wavelen >= high_wavelen:
+                t = (old / wavelen - scaling["low_freq_factor"]) / (scaling["high_freq_factor"] - scaling["low_freq_factor"])
+                f = (1 - t) * f / factor + t * f
+        out.append(f)
+    return out
+
+
 @torch.no_grad()
 def reference_logits(cfg: ModelConfig, sd: dict[str, torch.Tensor], token_ids: list[int]) -> torch.Tensor:
     """[len(token_ids), vocab] fp32 logits from HF-named weights ``sd``."""
     T = len(token_ids)
     H, KV, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    cs = rope_cos_sin(cfg, T)
-    cos = torch.cat([cs[:, : D // 2]] * 2, dim=-1)[:, None, :]
-    sin = torch.cat([cs[:, D // 2 :]] * 2, dim=-1)[:, None, :]
+    freqs = _inv_freq(cfg)
+    angles = torch.arange(T, dtype=torch.float64)[:, None] * torch.tensor(freqs, dtype=torch.float64)[None, :]
+    cos = torch.cat([angles.cos()] * 2, dim=-1).float()[:, None, :]
+    sin = torch.cat([angles.sin()] * 2, dim=-1).float()[:, None, :]
     x = sd["model.embed_tokens.weight"][torch.tensor(token_ids)]
     mask = torch.full((T, T), float("-inf")).triu(1)
     for i in range(cfg.num_layers):

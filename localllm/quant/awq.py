@@ -46,28 +46,33 @@ def awq_unpack(packed: torch.Tensor) -> torch.Tensor:
     return nib[:, :, list(AWQ_REVERSE_ORDER)].reshape(packed.shape[0], -1)
 
 
+def _int4_grid(wg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``wg [out, groups, G]`` float32 -> (float codes 0..15, scales, zeros), the last two
+    ``[out, groups, 1]``. The scale is rounded to fp16 first, as the checkpoint stores it, so
+    codes and dequantized values match what a loader reconstructs."""
+    w_max, w_min = wg.amax(-1, keepdim=True), wg.amin(-1, keepdim=True)
+    scales = ((w_max - w_min).clamp_(min=1e-5) / 15).half().float()
+    zeros = (-w_min / scales).round_().clamp_(0, 15)
+    codes = (wg / scales).round_().add_(zeros).clamp_(0, 15)
+    return codes, scales, zeros
+
+
 def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric round-to-nearest of ``w [out, in]`` per group of ``group_size`` inputs.
 
     Returns codes ``[out, in]`` (int32, 0..15), scales ``[out, in/G]`` (fp16) and integer
-    zeros ``[out, in/G]`` (int32). Codes are computed against the fp16-rounded scale, so the
-    stored checkpoint dequantizes to exactly what ``fake_quant_int4`` returns.
+    zeros ``[out, in/G]`` (int32).
     """
     out_f, in_f = w.shape
-    wg = w.float().reshape(out_f, in_f // group_size, group_size)
-    w_max, w_min = wg.amax(-1), wg.amin(-1)
-    scales = ((w_max - w_min).clamp(min=1e-5) / 15).half().float()
-    zeros = (-torch.round(w_min / scales)).clamp(0, 15)
-    codes = (torch.round(wg / scales.unsqueeze(-1)) + zeros.unsqueeze(-1)).clamp(0, 15)
-    return codes.reshape(out_f, in_f).to(torch.int32), scales.half(), zeros.to(torch.int32)
+    codes, scales, zeros = _int4_grid(w.float().reshape(out_f, in_f // group_size, group_size))
+    return codes.reshape(out_f, in_f).to(torch.int32), scales.squeeze(-1).half(), zeros.squeeze(-1).to(torch.int32)
 
 
 def fake_quant_int4(w: torch.Tensor, group_size: int) -> torch.Tensor:
     """``w`` quantized and dequantized again (float32), for AWQ's error searches."""
-    codes, scales, zeros = quantize_int4(w, group_size)
     out_f, in_f = w.shape
-    deq = (codes.reshape(out_f, -1, group_size) - zeros.unsqueeze(-1)) * scales.float().unsqueeze(-1)
-    return deq.reshape(out_f, in_f)
+    codes, scales, zeros = _int4_grid(w.float().reshape(out_f, in_f // group_size, group_size))
+    return codes.sub_(zeros).mul_(scales).reshape(out_f, in_f)
 
 
 def pick_group_size(in_dims: dict[str, int], requested: int | None) -> int:

@@ -14,13 +14,16 @@ Per decoder layer, on calibration activations that reach it through the float mo
 4. Search a clipping ratio per (output row, group) that minimises the error of each
    group's partial output, skipping q and k, whose errors the softmax amplifies.
 
-The next layer's inputs come from this layer's float output, as in AutoAWQ. The result is a
+Every loss is the squared error of a linear's output over all calibration tokens, computed
+from the inputs' Gram matrix (see ``InputStats``), so the searches cost the same whatever the
+calibration length. The next layer's inputs come from this layer's float output, as in AutoAWQ. The result is a
 float model whose weights ``quantize_model`` then rounds to nearest, in the AWQ layout.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -32,56 +35,65 @@ from localllm.quant.forward import BLOCK_SIZE, blocks_for, device_of, prefill_ba
 N_GRID = 20  # alpha points in [0, 1]
 CLIP_GRID = 20  # clip ratios 1 - i/20 ...
 MAX_SHRINK = 0.5  # ... down to 0.55 of the group's range
-SEARCH_TOKENS = 4096  # tokens used for the scale search loss
-CLIP_TOKENS = 512  # tokens used for the clipping search
-CLIP_ROWS = 256  # output rows per clipping chunk (bounds memory)
+CLIP_ROWS = 512  # output rows per clipping chunk (bounds memory)
 
 
-def _subsample(x: torch.Tensor, n: int) -> torch.Tensor:
-    step = max(1, x.shape[0] // n)
-    return x[::step][:n]
+@dataclass(slots=True)
+class InputStats:
+    """What the searches need of a linear's inputs X [T, K]: the mean magnitude per channel
+    and the Gram matrix X^T X / T. Every loss below is ||X D^T||^2 / T for a weight error D,
+    which equals the sum over rows d of d G d^T, so T never enters the search's cost and no
+    activations are kept."""
+
+    abs_mean: torch.Tensor  # [K]
+    gram: torch.Tensor  # [K, K]
+
+    def scaled(self, s: torch.Tensor) -> InputStats:
+        """The statistics of X / s, the input once s is folded into the producer."""
+        return InputStats(self.abs_mean / s, self.gram / torch.outer(s, s))
+
+
+def _error(d: torch.Tensor, gram: torch.Tensor) -> float:
+    return ((d @ gram) * d).sum().item()
 
 
 @torch.no_grad()
-def search_scale(x: torch.Tensor, w: torch.Tensor, group_size: int, n_grid: int = N_GRID) -> torch.Tensor:
-    """Best per-input-channel scale ``[K]`` for weight ``w [N, K]`` on inputs ``x [T, K]``."""
-    x = _subsample(x, SEARCH_TOKENS).float()
+def search_scale(stats: InputStats, w: torch.Tensor, group_size: int, n_grid: int = N_GRID) -> torch.Tensor:
+    """Best per-input-channel scale ``[K]`` for weight ``w [N, K]``."""
     w = w.float()
-    x_mag = x.abs().mean(0)
-    ref = x @ w.t()
-    best_err, best = float("inf"), torch.ones_like(x_mag)
+    best_err, best = float("inf"), torch.ones_like(stats.abs_mean)
     for alpha in torch.linspace(0, 1, n_grid).tolist():
-        s = x_mag.pow(alpha).clamp(min=1e-4)
+        s = stats.abs_mean.pow(alpha).clamp(min=1e-4)
         s = s / (s.max() * s.min()).sqrt()
-        wq = fake_quant_int4(w * s, group_size) / s
-        err = (x @ wq.t() - ref).pow(2).mean().item()
+        err = _error(fake_quant_int4(w * s, group_size) / s - w, stats.gram)
         if err < best_err:
             best_err, best = err, s
     return best
 
 
 @torch.no_grad()
-def search_clip(x: torch.Tensor, w: torch.Tensor, group_size: int) -> torch.Tensor:
+def search_clip(stats: InputStats, w: torch.Tensor, group_size: int) -> torch.Tensor:
     """``w [N, K]`` clamped per (row, group) to the fraction of its [min, max] range that
-    minimises the squared error of that group's contribution to the output on ``x``."""
-    x = _subsample(x, CLIP_TOKENS).float()
+    minimises the squared error of that group's contribution to the output."""
     n_out, k = w.shape
     groups = k // group_size
-    xg = x.reshape(-1, groups, group_size)
+    # the diagonal G x G blocks of the Gram matrix: the group's inputs only
+    idx = torch.arange(groups)
+    blocks = stats.gram.reshape(groups, group_size, groups, group_size)[idx, :, idx, :]
     clipped = torch.empty_like(w, dtype=torch.float32)
     for r0 in range(0, n_out, CLIP_ROWS):
-        wc = w[r0 : r0 + CLIP_ROWS].float()
-        rows = wc.shape[0]
-        wg = wc.reshape(rows, groups, group_size)
+        wg = w[r0 : r0 + CLIP_ROWS].float()
+        rows = wg.shape[0]
+        wg = wg.reshape(rows, groups, group_size)
         w_max, w_min = wg.amax(-1, keepdim=True), wg.amin(-1, keepdim=True)
-        ref = torch.einsum("tgk,ngk->tng", xg, wg)
         best_err = torch.full((rows, groups), float("inf"))
         best_ratio = torch.ones(rows, groups)
         for i in range(int(MAX_SHRINK * CLIP_GRID)):
             ratio = 1 - i / CLIP_GRID
             cand = wg.clamp(w_min * ratio, w_max * ratio)
-            q = fake_quant_int4(cand.reshape(rows, k), group_size).reshape(rows, groups, group_size)
-            err = (torch.einsum("tgk,ngk->tng", xg, q) - ref).pow(2).mean(0)
+            d = fake_quant_int4(cand.reshape(rows, k), group_size).reshape(rows, groups, group_size) - wg
+            # per (row, group): d G_g d^T, batched over groups
+            err = (torch.bmm(d.transpose(0, 1), blocks) * d.transpose(0, 1)).sum(-1).t()
             better = err < best_err
             best_err = torch.where(better, err, best_err)
             best_ratio = torch.where(better, torch.full_like(best_ratio, ratio), best_ratio)
@@ -91,15 +103,16 @@ def search_clip(x: torch.Tensor, w: torch.Tensor, group_size: int) -> torch.Tens
 
 
 class _Capture:
-    """Forward pre-hooks that keep the input of named linears of one layer."""
+    """Forward pre-hooks that reduce the inputs of named linears to ``InputStats``."""
 
     def __init__(self, modules: dict[str, nn.Module]) -> None:
-        self.inputs: dict[str, torch.Tensor] = {}
+        self.stats: dict[str, InputStats] = {}
         self.handles = [m.register_forward_pre_hook(self._hook(n)) for n, m in modules.items()]
 
     def _hook(self, name: str) -> Callable[[nn.Module, tuple[torch.Tensor, ...]], None]:
         def hook(_: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
-            self.inputs[name] = args[0].detach().float().clone()
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+            self.stats[name] = InputStats(x.abs().mean(0), (x.t() @ x) / x.shape[0])
 
         return hook
 
@@ -109,36 +122,35 @@ class _Capture:
 
 
 @torch.no_grad()
-def _quantize_layer(layer: DecoderLayer, feats: dict[str, torch.Tensor], group_size: int) -> None:
+def _quantize_layer(layer: DecoderLayer, feats: dict[str, InputStats], group_size: int) -> None:
     attn, mlp = layer.self_attn, layer.mlp
     qkv, o, gate_up, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
     inter = down.in_features
+    v_rows = slice(attn.q_size + attn.kv_size, attn.q_size + 2 * attn.kv_size)
 
     s = search_scale(feats["qkv"], qkv.weight, group_size)
     layer.input_layernorm.weight.div_(s.to(layer.input_layernorm.weight.dtype))
     qkv.weight.mul_(s.to(qkv.weight.dtype))
-    feats["qkv"] /= s
+    feats["qkv"] = feats["qkv"].scaled(s)
 
     if attn.q_size == attn.kv_size:  # MHA: o_proj's input channels are v's output rows
         s = search_scale(feats["o"], o.weight, group_size)
-        v_rows = slice(attn.q_size + attn.kv_size, attn.q_size + 2 * attn.kv_size)
         qkv.weight[v_rows].div_(s[:, None].to(qkv.weight.dtype))
         if qkv.bias is not None:
             qkv.bias[v_rows].div_(s.to(qkv.bias.dtype))
         o.weight.mul_(s.to(o.weight.dtype))
-        feats["o"] /= s
+        feats["o"] = feats["o"].scaled(s)
 
     s = search_scale(feats["gate_up"], gate_up.weight, group_size)
     layer.post_attention_layernorm.weight.div_(s.to(layer.post_attention_layernorm.weight.dtype))
     gate_up.weight.mul_(s.to(gate_up.weight.dtype))
-    feats["gate_up"] /= s
+    feats["gate_up"] = feats["gate_up"].scaled(s)
 
     s = search_scale(feats["down"], down.weight, group_size)
     gate_up.weight[inter:].div_(s[:, None].to(gate_up.weight.dtype))
     down.weight.mul_(s.to(down.weight.dtype))
-    feats["down"] /= s
+    feats["down"] = feats["down"].scaled(s)
 
-    v_rows = slice(attn.q_size + attn.kv_size, attn.q_size + 2 * attn.kv_size)
     qkv.weight[v_rows] = search_clip(feats["qkv"], qkv.weight[v_rows], group_size)
     o.weight.copy_(search_clip(feats["o"], o.weight, group_size))
     gate_up.weight.copy_(search_clip(feats["gate_up"], gate_up.weight, group_size))
@@ -174,6 +186,6 @@ def awq_search(
         finally:
             cap.remove()
         attn.k_cache = attn.v_cache = torch.empty(0)
-        _quantize_layer(layer, cap.inputs, group_size)
+        _quantize_layer(layer, cap.stats, group_size)
         if progress is not None:
             progress(i + 1, len(layers))

@@ -113,7 +113,7 @@ def _ct_method(group_name: str, group: dict[str, Any], fmt: str | None) -> str:
 
 
 def _plan_compressed_tensors(model: nn.Module, qcfg: dict[str, Any]) -> Iterator[tuple[str, QuantLinear]]:
-    from localllm.quant import make_quant_linear
+    from localllm.quant.methods import make_quant_linear
 
     groups = qcfg.get("config_groups") or {}
     if not groups:

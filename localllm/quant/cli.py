@@ -60,7 +60,7 @@ def run_quantize(args: argparse.Namespace) -> int:
     from localllm import store
     from localllm.errors import LocalLLMError
     from localllm.models.loader import build_model, open_checkpoint
-    from localllm.quant import check_method, int4_group_size, quantize_model, weight_bytes
+    from localllm.quant.methods import check_method, int4_group_size, quantize_model, weight_bytes
     from localllm.quant.checkpoint import save_quantized
     from localllm.quant.eval import DEFAULT_CALIB, calibration_samples
 

@@ -24,7 +24,7 @@ import torch
 from localllm.errors import LocalLLMError
 from localllm.models.llama import LlamaForCausalLM
 from localllm.models.loader import Checkpoint, build_model, open_checkpoint
-from localllm.quant import METHODS, check_method, int4_group_size, prepare_online, quantize_model, weight_bytes
+from localllm.quant.methods import METHODS, check_method, int4_group_size, prepare_online, quantize_model, weight_bytes
 from localllm.quant.forward import greedy_generate, prefill_logits
 from localllm.tokenizer import Tokenizer
 

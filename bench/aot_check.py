@@ -1,0 +1,227 @@
+#!/usr/bin/env python
+"""Compiles every Triton kernel ahead of time for real GPU targets, on a machine without a GPU.
+
+    python bench/aot_check.py                 # sm90 (H100/H200), sm89 (RTX 4090), sm80 (A100)
+    python bench/aot_check.py --arch 90 --only attention --json out.json
+
+The interpreter (tests/kernels) checks what the kernels compute; this checks that the real
+compiler accepts them with the launch configurations the dispatchers and autotuners use, and
+reports the static cost ptxas sees: registers per thread, spilled bytes, and shared memory
+against the device limit. It needs Triton's bundled ptxas, not a driver. It cannot time
+anything: speed is measured by bench/gpu_check.py on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU, not the interpreter
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from importlib import import_module  # noqa: E402
+
+# import_module, not `from localllm.kernels import ...`: the package re-exports functions
+# named like their modules.
+activation, awq_gemm, fp8_gemm, int8_gemm, paged_attention, rmsnorm, rotary_kv = (
+    import_module(f"localllm.kernels.{m}")
+    for m in ("activation", "awq_gemm", "fp8_gemm", "int8_gemm", "paged_attention", "rmsnorm", "rotary_kv")
+)
+
+# Shared memory per block that a kernel may use (opt-in maximum), by SM version.
+SMEM_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+
+Case = tuple[str, Any, dict[str, str], dict[str, Any], dict[str, int]]
+
+
+def signature(fn: Any, types: dict[str, str], constexprs: dict[str, Any]) -> dict[str, str]:
+    """Every parameter gets a type: given ones, constexpr, or i32 for the remaining ints."""
+    sig = {}
+    for p in fn.params:
+        name = p.name
+        if p.is_constexpr:
+            sig[name] = "constexpr"
+        else:
+            sig[name] = types.get(name, "i32")
+    missing = [n for n, t in sig.items() if t == "constexpr" and n not in constexprs]
+    assert not missing, f"{fn.__name__}: no value for constexprs {missing}"
+    return sig
+
+
+def divisible(sig: dict[str, str], names: list[str]) -> dict[tuple[int, ...], list[list[Any]]]:
+    """The 16-divisibility Triton infers at launch for aligned pointers and strides."""
+    idx = {n: i for i, n in enumerate(sig)}
+    return {(idx[n],): [["tt.divisibility", 16]] for n in names if n in idx}
+
+
+def attention_cases(arch: int) -> Iterator[Case]:
+    fn = paged_attention._paged_attention_kernel
+    ptrs = {"out_ptr": "*bf16", "q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
+            "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "qsl_ptr": "*i32", "part_out_ptr": "*fp32",
+            "part_lse_ptr": "*fp32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "qk_scale": "fp32"}  # fmt: skip
+    big = arch >= 90 or arch == 80
+    for head_dim, qpkv in ((128, 4), (128, 8), (80, 3), (64, 1), (96, 4)):
+        block_d = triton.next_power_of_2(head_dim)
+        rows = max(16, triton.next_power_of_2(qpkv))
+        base = dict(QPKV=qpkv, HEAD_D=head_dim, BLOCK_D=block_d, KV_BLOCK_SIZE=16, DOT_FP32=False)
+        for splits in (1, 16):
+            yield (f"decode D{head_dim} qpkv{qpkv} splits{splits}", fn, ptrs,
+                   dict(base, BLOCK_M=rows, BLOCK_Q=1, TILE_N=64, NUM_SPLITS=splits, IS_DECODE=True, FP8_KV=False),
+                   {"num_warps": 4, "num_stages": 3 if big else 2})  # fmt: skip
+        bm = max(rows, 128 if big else 64)
+        yield (f"prefill D{head_dim} qpkv{qpkv} BLOCK_M{bm}", fn, ptrs,
+               dict(base, BLOCK_M=bm, BLOCK_Q=bm // qpkv, TILE_N=64, NUM_SPLITS=1, IS_DECODE=False, FP8_KV=False),
+               {"num_warps": 8 if big else 4, "num_stages": 2})  # fmt: skip
+    if arch >= 89:
+        fp8 = dict(ptrs, k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv")
+        base = dict(QPKV=4, HEAD_D=128, BLOCK_D=128, KV_BLOCK_SIZE=16, DOT_FP32=False, FP8_KV=True)
+        yield ("decode fp8 KV splits16", fn, fp8,
+               dict(base, BLOCK_M=16, BLOCK_Q=1, TILE_N=64, NUM_SPLITS=16, IS_DECODE=True),
+               {"num_warps": 4, "num_stages": 3})  # fmt: skip
+        yield ("prefill fp8 KV", fn, fp8,
+               dict(base, BLOCK_M=128 if big else 64, BLOCK_Q=(128 if big else 64) // 4, TILE_N=64, NUM_SPLITS=1,
+                    IS_DECODE=False),
+               {"num_warps": 8 if big else 4, "num_stages": 2})  # fmt: skip
+    yield ("fp32 ieee (tests)", fn, dict(ptrs, out_ptr="*fp32", q_ptr="*fp32", k_cache_ptr="*fp32", v_cache_ptr="*fp32"),
+           dict(QPKV=4, HEAD_D=64, BLOCK_D=64, KV_BLOCK_SIZE=16, DOT_FP32=True, BLOCK_M=16, BLOCK_Q=4, TILE_N=16,
+                NUM_SPLITS=1, IS_DECODE=False, FP8_KV=False), {"num_warps": 4, "num_stages": 1})  # fmt: skip
+    yield ("reduce splits", paged_attention._reduce_splits_kernel,
+           {"out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"},
+           dict(HEAD_D=128, BLOCK_D=128, NUM_SPLITS=16), {"num_warps": 4})  # fmt: skip
+
+
+def elementwise_cases(arch: int) -> Iterator[Case]:
+    rot = rotary_kv._rotary_and_store_kv_kernel
+    ptrs = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "q_out_ptr", "k_cache_ptr", "v_cache_ptr")}
+    ptrs.update(positions_ptr="*i64", cos_sin_ptr="*fp32", slot_mapping_ptr="*i64", k_scale_ptr="*fp32",
+                v_scale_ptr="*fp32")  # fmt: skip
+    cx = dict(KV_BLOCK_SIZE=16, NUM_HEADS=32, NUM_KV_HEADS=8, BLOCK_H=32, BLOCK_KVH=8, HEAD_D=128, HALF=64,
+              BLOCK_HALF=64, BLOCK_D=128, FP8_KV=False, EXACT_FP8_ROUND=False)  # fmt: skip
+    yield ("rotary+kv bf16", rot, ptrs, cx, {"num_warps": 8})
+    if arch >= 89:
+        yield ("rotary+kv fp8 cache", rot, dict(ptrs, k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv"),
+               dict(cx, FP8_KV=True), {"num_warps": 8})  # fmt: skip
+    rms = rmsnorm._rms_norm_kernel
+    rptrs = {n: "*bf16" for n in ("out_ptr", "res_out_ptr", "x_ptr", "res_ptr", "w_ptr")}
+    rptrs["eps"] = "fp32"
+    yield ("rms_norm+residual 4096", rms, rptrs, dict(HAS_RESIDUAL=True, BLOCK_N=4096), {"num_warps": 16})
+    yield ("rms_norm 8192", rms, rptrs, dict(HAS_RESIDUAL=False, BLOCK_N=8192), {"num_warps": 16})
+    yield ("silu_and_mul", activation._silu_and_mul_kernel, {"out_ptr": "*bf16", "x_ptr": "*bf16"},
+           dict(BLOCK=1024), {"num_warps": 4})  # fmt: skip
+
+
+def gemm_cases(arch: int) -> Iterator[Case]:
+    awq = awq_gemm._awq_gemm_kernel
+    for act in ("fp16", "bf16"):
+        ptrs = {"x_ptr": f"*{act}", "qweight_ptr": "*i32", "qzeros_ptr": "*i32", "scales_ptr": "*fp16",
+                "out_ptr": f"*{act}", "ws_ptr": "*fp32", "locks_ptr": "*i32"}  # fmt: skip
+        for cfgs, label in ((awq_gemm._GEMV_CONFIGS, "gemv"), (awq_gemm._GEMM_CONFIGS, "gemm")):
+            for i, c in enumerate(cfgs):
+                for group in (128, 32) if (act == "fp16" and label == "gemv") else (128,):
+                    yield (f"awq {act} {label}[{i}] g{group} {c.kwargs}", awq, ptrs,
+                           dict(c.kwargs, GROUP_SIZE=group, FP16_MAGIC=act == "fp16", DOT_FP32=False),
+                           {"num_warps": c.num_warps, "num_stages": c.num_stages})  # fmt: skip
+    i8 = int8_gemm._int8_gemm_kernel
+    for a8, act in ((False, "fp16"), (False, "bf16"), (True, "bf16")):
+        ptrs = {"x_ptr": "*i8" if a8 else f"*{act}", "w_ptr": "*i8", "w_scale_ptr": "*fp32", "x_scale_ptr": "*fp32",
+                "out_ptr": f"*{act}", "ws_ptr": "*i32" if a8 else "*fp32", "locks_ptr": "*i32"}  # fmt: skip
+        for cfgs, label in ((int8_gemm._GEMV_CONFIGS, "gemv"), (int8_gemm._GEMM_CONFIGS, "gemm")):
+            for i, c in enumerate(cfgs):
+                yield (f"int8 {'w8a8' if a8 else 'w8a16'} {act} {label}[{i}] {c.kwargs}", i8, ptrs,
+                       dict(c.kwargs, A8=a8, FP16_MAGIC=not a8 and act == "fp16", DOT_FP32=False),
+                       {"num_warps": c.num_warps, "num_stages": c.num_stages})  # fmt: skip
+    yield ("quant int8 per token", int8_gemm._quant_int8_kernel, {"x_ptr": "*bf16", "xq_ptr": "*i8", "scale_ptr": "*fp32"},
+           dict(BLOCK_K=4096), {"num_warps": 4})  # fmt: skip
+    if arch >= 89:
+        f8 = fp8_gemm._fp8_gemm_kernel
+        ptrs = {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32", "x_scale_ptr": "*fp32",
+                "out_ptr": "*bf16", "ws_ptr": "*fp32", "locks_ptr": "*i32"}  # fmt: skip
+        for cfgs, label in ((fp8_gemm._GEMV_CONFIGS, "gemv"), (fp8_gemm._GEMM_CONFIGS, "gemm")):
+            for i, c in enumerate(cfgs):
+                if arch < 90 and c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] > 128 * 128:
+                    continue  # filtered out on Ada, as in fp8_gemm._autotuned
+                yield (f"fp8 {label}[{i}] {c.kwargs}", f8, ptrs, dict(c.kwargs, DOT_FP32=False),
+                       {"num_warps": c.num_warps, "num_stages": c.num_stages})  # fmt: skip
+        yield ("quant fp8 per token", fp8_gemm._quant_fp8_kernel,
+               {"x_ptr": "*bf16", "xq_ptr": "*fp8e4nv", "scale_ptr": "*fp32"},
+               dict(BLOCK_K=4096, EXACT_FP8_ROUND=False), {"num_warps": 4})  # fmt: skip
+
+
+GROUPS = {"attention": attention_cases, "elementwise": elementwise_cases, "gemm": gemm_cases}
+ALIGNED = ["stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kb", "stride_ks", "stride_kh", "stride_vb",
+           "stride_vs", "stride_vh", "stride_xm", "stride_om", "stride_wn", "stride_x", "stride_r", "stride_o",
+           "stride_ro", "N", "K", "n_cols", "stride_qm"]  # fmt: skip
+
+
+def ptxas_stats(ptx: str, arch: int) -> dict[str, int]:
+    sm = f"sm_{arch}a" if arch == 90 else f"sm_{arch}"
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "k.ptx"
+        src.write_text(ptx)
+        proc = subprocess.run([str(PTXAS), f"-arch={sm}", "-v", str(src), "-o", str(Path(d) / "k.cubin")],
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+    text = proc.stdout + proc.stderr
+    stats: dict[str, int] = {}
+    if m := re.search(r"Used (\d+) registers", text):
+        stats["registers"] = int(m.group(1))
+    if m := re.search(r"(\d+) bytes spill stores", text):
+        stats["spill_store_bytes"] = int(m.group(1))
+    if m := re.search(r"(\d+) bytes spill loads", text):
+        stats["spill_load_bytes"] = int(m.group(1))
+    return stats
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", default="90,89,80", help="comma list of SM versions")
+    ap.add_argument("--only", default=",".join(GROUPS), help=f"comma list of {list(GROUPS)}")
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args()
+    results: list[dict[str, Any]] = []
+    failures = 0
+    for arch in (int(a) for a in args.arch.split(",")):
+        for group in args.only.split(","):
+            for name, fn, types, cx, opts in GROUPS[group](arch):
+                t0 = time.monotonic()
+                row: dict[str, Any] = {"arch": arch, "kernel": fn.__name__, "case": name}
+                try:
+                    sig = signature(fn, types, cx)
+                    aligned = [n for n, t in sig.items() if t.startswith("*")] + ALIGNED
+                    src = ASTSource(fn, sig, constexprs=cx, attrs=divisible(sig, aligned))
+                    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
+                    shared = int(k.metadata.shared)
+                    row.update(shared_bytes=shared, smem_ok=shared <= SMEM_LIMIT[arch], **ptxas_stats(k.asm["ptx"], arch))
+                    ptx = k.asm["ptx"]
+                    row["ptx_cvt_f_from_int"] = len(re.findall(r"cvt\.rn\.f(?:16|32)\.[su](?:8|16|32)", ptx))
+                    row["mma"] = "wgmma" if "wgmma" in ptx else ("mma" if "mma.sync" in ptx else "none")
+                    ok = row["smem_ok"] and row.get("spill_store_bytes", 0) == 0
+                except Exception as e:  # noqa: BLE001 - report every failing case
+                    row["error"] = f"{type(e).__name__}: {str(e)[-1500:]}"
+                    ok = False
+                row["seconds"] = round(time.monotonic() - t0, 1)
+                failures += not ok
+                results.append(row)
+                flag = "ok " if ok else "BAD"
+                detail = row.get("error") or {k: row.get(k) for k in ("registers", "spill_store_bytes", "shared_bytes", "mma")}
+                print(f"{flag} sm{arch} {name}: {detail}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    print(f"{len(results) - failures}/{len(results)} compiled cleanly (no error, no spills, shared memory fits)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

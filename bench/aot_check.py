@@ -132,7 +132,7 @@ def gemm_cases(arch: int) -> Iterator[Case]:
             for i, c in enumerate(cfgs):
                 for group in (128, 32) if (act == "fp16" and label == "gemv") else (128,):
                     yield (f"awq {act} {label}[{i}] g{group} {c.kwargs}", awq, ptrs,
-                           dict(c.kwargs, GROUP_SIZE=group, FP16_MAGIC=act == "fp16", DOT_FP32=False),
+                           dict(c.kwargs, GROUP_SIZE=group, FP16_MAGIC=True, USE_ASM=True, DOT_FP32=False, EVEN_K=True),
                            {"num_warps": c.num_warps, "num_stages": c.num_stages})  # fmt: skip
     i8 = int8_gemm._int8_gemm_kernel
     for a8, act in ((False, "fp16"), (False, "bf16"), (True, "bf16")):
@@ -141,7 +141,7 @@ def gemm_cases(arch: int) -> Iterator[Case]:
         for cfgs, label in ((int8_gemm._GEMV_CONFIGS, "gemv"), (int8_gemm._GEMM_CONFIGS, "gemm")):
             for i, c in enumerate(cfgs):
                 yield (f"int8 {'w8a8' if a8 else 'w8a16'} {act} {label}[{i}] {c.kwargs}", i8, ptrs,
-                       dict(c.kwargs, A8=a8, FP16_MAGIC=not a8 and act == "fp16", DOT_FP32=False),
+                       dict(c.kwargs, A8=a8, FP16_MAGIC=not a8 and act == "fp16", USE_ASM=True, DOT_FP32=False, EVEN_K=True),
                        {"num_warps": c.num_warps, "num_stages": c.num_stages})  # fmt: skip
     yield ("quant int8 per token", int8_gemm._quant_int8_kernel, {"x_ptr": "*bf16", "xq_ptr": "*i8", "scale_ptr": "*fp32"},
            dict(BLOCK_K=4096), {"num_warps": 4})  # fmt: skip
@@ -153,7 +153,7 @@ def gemm_cases(arch: int) -> Iterator[Case]:
             for i, c in enumerate(cfgs):
                 if arch < 90 and c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] > 128 * 128:
                     continue  # filtered out on Ada, as in fp8_gemm._autotuned
-                yield (f"fp8 {label}[{i}] {c.kwargs}", f8, ptrs, dict(c.kwargs, DOT_FP32=False),
+                yield (f"fp8 {label}[{i}] {c.kwargs}", f8, ptrs, dict(c.kwargs, DOT_FP32=False, EVEN_K=True),
                        {"num_warps": c.num_warps, "num_stages": c.num_stages})  # fmt: skip
         yield ("quant fp8 per token", fp8_gemm._quant_fp8_kernel,
                {"x_ptr": "*bf16", "xq_ptr": "*fp8e4nv", "scale_ptr": "*fp32"},

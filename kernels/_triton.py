@@ -132,17 +132,24 @@ def _quick_bench(kernel_call: Callable[[], Any], quantiles: Any) -> Any:
     return do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
 
 
-def make_autotuner(fn: Any, configs: Sequence[Config], key: list[str]) -> Any:
-    """Wraps a jitted kernel in ``triton.autotune``; results persist on disk where supported."""
+def make_autotuner(fn: Any, configs: Sequence[Config], key: list[str], even_k: bool = True) -> Any:
+    """Wraps a jitted kernel in ``triton.autotune``; results persist on disk where supported.
+
+    ``even_k`` adds the GEMM kernels' EVEN_K constexpr, derived from K and each config's
+    BLOCK_K (so a caller never passes it to the tuned kernel).
+    """
+    kernel = fn
+    if even_k:
+        kernel = triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0})(fn)
     kwargs: dict[str, Any] = {
         "configs": [c.to_triton() for c in launch_configs(configs)],
         "key": key,
         "do_bench": _quick_bench,
     }
     try:
-        return triton.autotune(cache_results=True, **kwargs)(fn)
+        return triton.autotune(cache_results=True, **kwargs)(kernel)
     except TypeError:  # pragma: no cover - triton < 3.2 has no cache_results
-        return triton.autotune(**kwargs)(fn)
+        return triton.autotune(**kwargs)(kernel)
 
 
 # FP8 scales given as python floats become 1-element device tensors once, so a call under

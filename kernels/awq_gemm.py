@@ -93,10 +93,78 @@ def awq_gemm_ref(
 
 
 @triton.jit
-def _unpack_awq_tile(packed, shifts, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """[ROWS, BLOCK_N // 8] int32 -> [ROWS, BLOCK_N] nibbles in logical column order."""
-    wide = tl.reshape(tl.broadcast_to(packed[:, :, None], (ROWS, BLOCK_N // 8, 8)), (ROWS, BLOCK_N))
-    return (wide >> shifts[None, :]) & 0xF
+def _interleave8(c0, c1, c2, c3, c4, c5, c6, c7, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Eight [ROWS, BLOCK_N // 8] tensors, column offsets 0..7 of each packed word, ->
+    [ROWS, BLOCK_N] in column order. Joins add a minor axis held in one thread's registers, so
+    unlike a broadcast-and-shift unpack this needs no shared-memory layout conversion."""
+    t0 = tl.join(c0, c4)  # [.., b] = c_{0 + 4b}
+    t1 = tl.join(c1, c5)
+    t2 = tl.join(c2, c6)
+    t3 = tl.join(c3, c7)
+    u0 = tl.join(t0, t2)  # [.., b, a] = c_{0 + 2a + 4b}
+    u1 = tl.join(t1, t3)
+    v = tl.join(u0, u1)  # [.., b, a, e] = c_{e + 2a + 4b}
+    return tl.reshape(v, (ROWS, BLOCK_N))
+
+
+@triton.jit
+def _unpack_fp16_magic(packed, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr):
+    """int32 [ROWS, BLOCK_N // 8] -> fp16 [ROWS, BLOCK_N] holding 1024 + q, exactly.
+
+    AWQ's order puts columns 2i and 2i + 1 in nibbles i and i + 4, 16 bits apart, so one
+    lop3 ((w >> 4i) & 0x000F000F) | 0x64006400 yields both as an fp16 pair: 7 instructions per
+    8 weights on the GPU. The interpreter cannot run PTX and takes the per-column shifts.
+    """
+    if USE_ASM:
+        c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 r0, r1, r2, r3, s;
+            lop3.b32 r0, $8, 0x000f000f, 0x64006400, 0xea;
+            shr.u32 s, $8, 4;
+            lop3.b32 r1, s, 0x000f000f, 0x64006400, 0xea;
+            shr.u32 s, $8, 8;
+            lop3.b32 r2, s, 0x000f000f, 0x64006400, 0xea;
+            shr.u32 s, $8, 12;
+            lop3.b32 r3, s, 0x000f000f, 0x64006400, 0xea;
+            mov.b32 {$0, $1}, r0;
+            mov.b32 {$2, $3}, r1;
+            mov.b32 {$4, $5}, r2;
+            mov.b32 {$6, $7}, r3;
+            }
+            """,
+            constraints="=h,=h,=h,=h,=h,=h,=h,=h,r",
+            args=[packed],
+            dtype=(tl.float16,) * 8,
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        # Column offset c sits in nibble AWQ_REVERSE_ORDER[c] = [0, 4, 1, 5, 2, 6, 3, 7][c].
+        c0 = ((packed & 0xF) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        c1 = (((packed >> 16) & 0xF) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        c2 = (((packed >> 4) & 0xF) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        c3 = (((packed >> 20) & 0xF) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        c4 = (((packed >> 8) & 0xF) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        c5 = (((packed >> 24) & 0xF) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        c6 = (((packed >> 12) & 0xF) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        c7 = (((packed >> 28) & 0xF) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+    return _interleave8(c0, c1, c2, c3, c4, c5, c6, c7, ROWS, BLOCK_N)
+
+
+@triton.jit
+def _unpack_fp32_magic(packed, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """int32 [ROWS, BLOCK_N // 8] -> fp32 [ROWS, BLOCK_N] holding 2**23 + q, exactly (the fp32
+    activation path, where fp16 rounding of the weights would show)."""
+    c0 = ((packed & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+    c1 = (((packed >> 16) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+    c2 = (((packed >> 4) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+    c3 = (((packed >> 20) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+    c4 = (((packed >> 8) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+    c5 = (((packed >> 24) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+    c6 = (((packed >> 12) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+    c7 = (((packed >> 28) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+    return _interleave8(c0, c1, c2, c3, c4, c5, c6, c7, ROWS, BLOCK_N)
 
 
 @triton.jit
@@ -121,7 +189,9 @@ def _awq_gemm_kernel(
     SPLIT_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     FP16_MAGIC: tl.constexpr,
+    USE_ASM: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -140,8 +210,6 @@ def _awq_gemm_kernel(
     m_ok = offs_m < M
     n_ok = offs_n < N
     pn_ok = offs_pn < N // 8
-    # Column c lives in nibble AWQ_REVERSE_ORDER[c % 8] = (c % 8) // 2 + 4 * (c % 2).
-    shifts = (((offs_n % 8) // 2) + (offs_n % 2) * 4) * 4
 
     # A K tile holds GROUPS_PER_TILE whole groups, or lies inside one group.
     GROUPS_PER_TILE: tl.constexpr = (BLOCK_K + GROUP_SIZE - 1) // GROUP_SIZE
@@ -154,34 +222,37 @@ def _awq_gemm_kernel(
     kt_hi = tl.minimum(kt_lo + tiles_per_split, k_tiles)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # Pointers advance by one K tile per iteration instead of being rebuilt from indices:
+    # per-element address multiplies were the largest instruction class in the loop.
+    offs_k = kt_lo * BLOCK_K + tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = qweight_ptr + offs_k[:, None].to(tl.int64) * (N // 8) + offs_pn[None, :]
     for kt in range(kt_lo, kt_hi):
-        offs_k = kt * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        packed = tl.load(
-            qweight_ptr + offs_k[:, None].to(tl.int64) * (N // 8) + offs_pn[None, :],
-            mask=k_ok[:, None] & pn_ok[None, :],
-            other=0,
-        )
-        q = _unpack_awq_tile(packed, shifts, BLOCK_K, BLOCK_N)
-
+        if EVEN_K:  # the usual case: no per-iteration K masks
+            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+            packed = tl.load(w_ptrs, mask=pn_ok[None, :], other=0)
+        else:
+            k_ok = offs_k < K
+            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            packed = tl.load(w_ptrs, mask=k_ok[:, None] & pn_ok[None, :], other=0)
+        offs_k += BLOCK_K
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * (N // 8)
         offs_g = (kt * BLOCK_K) // GROUP_SIZE + tl.arange(0, GROUPS_PER_TILE)
         g_ok = offs_g < num_groups
         zp = tl.load(
             qzeros_ptr + offs_g[:, None] * (N // 8) + offs_pn[None, :], mask=g_ok[:, None] & pn_ok[None, :], other=0
         )
-        z = _unpack_awq_tile(zp, shifts, GROUPS_PER_TILE, BLOCK_N)
         s = tl.load(scales_ptr + offs_g[:, None] * N + offs_n[None, :], mask=g_ok[:, None] & n_ok[None, :], other=0.0)
-
         if FP16_MAGIC:
-            # 0x6400 | v is the fp16 bit pattern of 1024 + v: exact, and no int->float convert.
-            qf = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-            zf = (z | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+            # fp16 throughout, as AutoAWQ: (1024 + q) - (1024 + z) is exact, then one rounding
+            # in the scale multiply; pairs of columns become packed HSUB2/HMUL2.
+            qf = _unpack_fp16_magic(packed, BLOCK_K, BLOCK_N, USE_ASM)
+            zf = _unpack_fp16_magic(zp, GROUPS_PER_TILE, BLOCK_N, USE_ASM)
             s = s.to(tl.float16)
         else:
-            # Same trick in fp32: 0x4B000000 | v is 2**23 + v.
-            qf = (q | 0x4B000000).to(tl.float32, bitcast=True)
-            zf = (z | 0x4B000000).to(tl.float32, bitcast=True)
+            qf = _unpack_fp32_magic(packed, BLOCK_K, BLOCK_N)
+            zf = _unpack_fp32_magic(zp, GROUPS_PER_TILE, BLOCK_N)
             s = s.to(tl.float32)
         if GROUPS_PER_TILE == 1:
             w = (qf - zf) * s
@@ -193,7 +264,8 @@ def _awq_gemm_kernel(
         if DOT_FP32:
             acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
         else:
-            acc = tl.dot(x, w.to(x.dtype), acc)
+            # bf16 activations are multiplied in fp16 too, as AutoAWQ does (x.half()).
+            acc = tl.dot(x.to(tl.float16), w, acc)
 
     offs_out = offs_m[:, None] * stride_om + offs_n[None, :]
     out_mask = m_ok[:, None] & n_ok[None, :]
@@ -252,7 +324,7 @@ def _autotuned(gemv: bool, group_size: int) -> object:
         configs = [c for c in (_GEMV_CONFIGS if gemv else _GEMM_CONFIGS) if _group_fits(c.kwargs["BLOCK_K"], group_size)]
         assert configs, f"no AWQ config fits group size {group_size}"
         _tuned[key] = make_autotuner(
-            _awq_gemm_kernel, configs, key=["M_BUCKET", "N", "K", "GROUP_SIZE", "FP16_MAGIC", "DOT_FP32"]
+            _awq_gemm_kernel, configs, key=["M_BUCKET", "N", "K", "GROUP_SIZE", "FP16_MAGIC", "USE_ASM", "DOT_FP32"]
         )
     return _tuned[key]
 
@@ -281,7 +353,8 @@ def awq_gemm_triton(
     gemv = m <= GEMV_MAX_M
     consts = dict(
         GROUP_SIZE=group_size,
-        FP16_MAGIC=x.dtype == torch.float16,
+        FP16_MAGIC=x.dtype != torch.float32,
+        USE_ASM=x.is_cuda and not INTERPRET,
         DOT_FP32=dot_fp32(x),
     )
     max_split = MAX_SPLIT_K if gemv else 1
@@ -303,7 +376,8 @@ def awq_gemm_triton(
     if config is not None:
         _check_group(config.kwargs["BLOCK_K"], group_size)
         _awq_gemm_kernel[grid](
-            *args, **consts, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages
+            *args, **consts, **config.kwargs, EVEN_K=k % config.kwargs["BLOCK_K"] == 0,
+            num_warps=config.num_warps, num_stages=config.num_stages
         )
     else:
         _autotuned(gemv, group_size)[grid](*args, **consts)  # type: ignore[index]

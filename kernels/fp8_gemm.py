@@ -112,6 +112,7 @@ def _fp8_gemm_kernel(
     SPLIT_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -133,14 +134,22 @@ def _fp8_gemm_kernel(
     kt_hi = tl.minimum(kt_lo + tiles_per_split, k_tiles)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    w_rows = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn
+    offs_k = kt_lo * BLOCK_K + tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+    # K-contiguous [BLOCK_K, BLOCK_N] tile of the [N, K] weight: the operand layout Hopper's
+    # fp8 wgmma requires.
+    w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
     for kt in range(kt_lo, kt_hi):
-        offs_k = kt * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        # K-contiguous [BLOCK_K, BLOCK_N] tile of the [N, K] weight: the operand layout
-        # Hopper's fp8 wgmma requires.
-        w = tl.load(w_rows + offs_k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if EVEN_K:  # the usual case: no per-iteration K masks
+            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < K
+            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        offs_k += BLOCK_K
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
         if DOT_FP32:
             acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
         else:
@@ -250,7 +259,8 @@ def fp8_w8a8_gemm_triton(
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])
 
     if config is not None:
-        _fp8_gemm_kernel[grid](*args, **consts, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
+        _fp8_gemm_kernel[grid](*args, **consts, **config.kwargs, EVEN_K=k % config.kwargs["BLOCK_K"] == 0,
+            num_warps=config.num_warps, num_stages=config.num_stages)
     else:
         _autotuned(gemv, capability(x)[0] >= 9)[grid](*args, **consts)  # type: ignore[index]
     return out.view(*shape[:-1], n)

@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
 _EXTRA_COMMANDS: list[str] = [
     "localllm.quant.cli:register",
     "localllm.hardware.cli:register",
+    "localllm.tui.cli:register",
+    "localllm.server.cli:register",
+    "localllm.bench:register",
 ]
 
 

@@ -335,9 +335,6 @@ def _fit(model: ModelDims, t: _Target, rung: _Rung, graphs: bool, batched_tokens
     kv_dtype = "float32" if t.device == "cpu" else rung.weight_dtype
     act_dtype = "float32" if t.device == "cpu" else rung.weight_dtype
     weights = weight_bytes(model, rung.weight_dtype, rung.quant)
-    if t.device == "cpu" and (rung.weight_dtype != "float32" or rung.quant):
-        # The engine keeps an fp32 copy of the output head on CPU (LlamaForCausalLM.keep_fp32_logits).
-        weights += model.vocab_size * model.hidden_size * 4
     workspace = workspace_bytes(model, act_dtype, batched_tokens, max(chats, t.seqs_cap))
     if t.device == "cuda":
         runtime = CUDA_GRAPH_BYTES if graphs else 0

@@ -248,14 +248,6 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)
-        self.fp32_head: torch.Tensor | None = None
-
-    def keep_fp32_logits(self) -> None:
-        """Computes logits from an fp32 copy of the head. A bf16 matmul rounds its output to
-        8 mantissa bits, 0.125 at a logit of 25: enough to turn SmolLM2's greedy answer to
-        "What is the capital of France?" from "The capital..." (margin 0.08) into "L'Étoile...".
-        Worth it on CPU, where the head is one matmul among ~120 per step."""
-        self.fp32_head = self.lm_head.weight.detach().float()
 
     def init_rope(self, max_positions: int) -> None:
         """Fills the rotary table; called after the weights are materialised on their device."""
@@ -267,9 +259,17 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, self.cos_sin, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.fp32_head is not None:
-            return torch.nn.functional.linear(hidden.float(), self.fp32_head)
-        return self.lm_head(hidden).float()
+        w = self.lm_head.weight
+        logits = torch.nn.functional.linear(hidden.to(w.dtype), w).float()
+        if w.dtype != torch.float32:
+            # A 16-bit matmul rounds its output to 8 mantissa bits: 0.125 at a logit of 25.
+            # That tied SmolLM2's top two answers to "What is the capital of France?" (margin
+            # 0.08) and flipped greedy decoding. Recomputing the top 8 in fp32 from the fp32
+            # final norm costs 8 rows instead of an fp32 copy of the whole head.
+            top = logits.topk(8, dim=-1).indices
+            exact = torch.einsum("td,tkd->tk", hidden.float(), w[top].float())
+            logits.scatter_(1, top, exact)
+        return logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copies HF-named tensors into the parameters; returns the names of parameters that

@@ -253,6 +253,9 @@ def build_model(
     for p in model.parameters():
         if p.is_floating_point():
             p.data = p.data.to(dtype)
+    # The final norm feeds the logits; in fp32 its output lets compute_logits refine the top
+    # candidates exactly (see there). It is one vector.
+    model.model.norm.weight.data = model.model.norm.weight.data.float()
     if ckpt.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     done = 0
@@ -272,8 +275,6 @@ def build_model(
             f"{ckpt.path}: checkpoint lacks {len(missing)} tensors, e.g. {missing[0].split('#')[0]!r}"
         )
     model.init_rope(max_positions)
-    if device.type == "cpu" and dtype != torch.float32:
-        model.keep_fp32_logits()
     return model.eval()
 
 

@@ -22,6 +22,7 @@ _API = (
     "METHODS",
     "QuantLinear",
     "check_method",
+    "config_group_size",
     "int4_group_size",
     "make_quant_linear",
     "prepare_for_checkpoint",

@@ -3,10 +3,14 @@
 Layout (what AutoAWQ writes and vLLM's ``awq`` method reads), for a linear ``in -> out``
 with group size G:
 - ``qweight`` int32 ``[in, out/8]``: the 4-bit codes of ``W^T`` packed eight to an int32
-  along the output dim; nibble i (bits 4i..4i+3) of word j holds column ``8j + AWQ_ORDER[i]``.
+  along the output dim; nibble i (bits 4i..4i+3) of word j holds column ``8j + AWQ_ORDER[i]``,
+  AWQ_ORDER = 0, 2, 4, 6, 1, 3, 5, 7.
 - ``qzeros``  int32 ``[in/G, out/8]``: the integer zero point of each group, packed the same.
 - ``scales``  fp16  ``[in/G, out]``.
 - ``w[k, n] = (q[k, n] - z[k // G, n]) * s[k // G, n]``.
+
+Packing, unpacking and the GEMM live in ``localllm.kernels.awq_gemm``, the one copy of the
+layout; this module quantizes float weights into it and owns the module around it.
 
 RTN int4 (``rtn4``) and AWQ share this module: AWQ only changes the float weights it is given
 (scaled and clipped, see ``awq_search``), so both write and load the same format.
@@ -15,35 +19,14 @@ RTN int4 (``rtn4``) and AWQ share this module: AWQ only changes the float weight
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from localllm.errors import LocalLLMError
+from localllm.kernels.awq_gemm import awq_dequantize, awq_gemm, awq_gemm_ref, awq_pack, awq_unpack
 from localllm.quant.linear import QuantLinear, cpu_backend
 
-# AutoAWQ interleaves columns inside each int32 so its CUDA kernel can dequantize pairs of
-# nibbles with one shift-and-mask into half2 lanes.
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # position of column c within a word
+__all__ = ["AWQLinear", "awq_pack", "awq_unpack", "fake_quant_int4", "pick_group_size", "quantize_int4"]
+
 GROUP_SIZES = (128, 64, 32)
-
-
-def awq_pack(codes: torch.Tensor) -> torch.Tensor:
-    """``[R, C]`` integer codes in 0..15 -> ``[R, C/8]`` int32 in AutoAWQ order."""
-    rows, cols = codes.shape
-    if cols % 8:
-        raise LocalLLMError(f"AWQ packing needs a multiple of 8 columns, got {cols}")
-    nib = codes.to(torch.int32).reshape(rows, cols // 8, 8)
-    packed = torch.zeros(rows, cols // 8, dtype=torch.int32, device=codes.device)
-    for i, col in enumerate(AWQ_ORDER):
-        packed |= (nib[:, :, col] & 0xF) << (4 * i)
-    return packed
-
-
-def awq_unpack(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of ``awq_pack``: ``[R, C/8]`` int32 -> ``[R, C]`` int32 codes in 0..15."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
-    nib = (packed.unsqueeze(-1) >> shifts) & 0xF  # arithmetic shift; the mask drops sign bits
-    return nib[:, :, list(AWQ_REVERSE_ORDER)].reshape(packed.shape[0], -1)
 
 
 def _int4_grid(wg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -94,18 +77,11 @@ def pick_group_size(in_dims: dict[str, int], requested: int | None) -> int:
     raise LocalLLMError(f"no int4 group size in {GROUP_SIZES} divides the input dims {sorted(set(in_dims.values()))}")
 
 
-def _awq_kernel():  # noqa: ANN202 - the kernel function or None
-    try:
-        from localllm.kernels.awq_gemm import awq_gemm
-    except ImportError:
-        return None
-    return awq_gemm
-
-
 class AWQLinear(QuantLinear):
     """4-bit weights, fp16 group scales, integer zero points; the AutoAWQ GEMM format.
 
-    CUDA: the Triton AWQ GEMM of ``localllm.kernels``. CPU: torch's tinygemm int4 matmul
+    CUDA: ``localllm.kernels.awq_gemm`` (Triton, or dequantize-then-matmul where that was
+    measured faster for the shape). CPU: torch's tinygemm int4 matmul
     (``_weight_int4pack_mm_for_cpu``, bf16 activations) on a repacked copy made once at load,
     which bench/quant_cpu.py measured faster than dequantize-then-matmul at every batch size;
     ``LOCALLLM_QUANT_CPU_INT4=dequant`` selects the reference instead.
@@ -185,23 +161,20 @@ class AWQLinear(QuantLinear):
     # ---- compute ----
 
     def dequantize(self) -> torch.Tensor:
-        codes = awq_unpack(self.qweight).float()  # [in, out]
-        zeros = awq_unpack(self.qzeros).float().repeat_interleave(self.group_size, 0)
-        scales = self.scales.float().repeat_interleave(self.group_size, 0)
-        return ((codes - zeros) * scales).t().contiguous()
+        return awq_dequantize(self.qweight, self.qzeros, self.scales, self.group_size, torch.float32).t()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if x.is_cuda and (kernel := _awq_kernel()) is not None:
-            y = kernel(x2, self.qweight, self.qzeros, self.scales, self.group_size)
-        elif self._cpu_packed is not None and x.device.type == "cpu":
+        if self._cpu_packed is not None and x.device.type == "cpu":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x2.to(torch.bfloat16), self._cpu_packed, self.group_size, self._cpu_scale_zeros
-            )
+            ).to(x.dtype)
+        elif x.device.type == "cpu":
+            y = awq_gemm_ref(x2, self.qweight, self.qzeros, self.scales, self.group_size)
         else:
-            y = F.linear(x2, self.dequantize().to(x.dtype))
-        return self._add_bias(y.to(x.dtype)).reshape(*shape[:-1], self.out_features)
+            y = awq_gemm(x2, self.qweight, self.qzeros, self.scales, self.group_size)
+        return self._add_bias(y).reshape(*shape[:-1], self.out_features)
 
     def shard_state(self, rows: slice) -> dict[str, torch.Tensor]:
         cols = slice(rows.start // 8, rows.stop // 8)

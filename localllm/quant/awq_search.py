@@ -169,7 +169,8 @@ def awq_search(
     cfg = model.config
     dev = device_of(model)
     dtype = model.lm_head.weight.dtype
-    batch = prefill_batch([list(s) for s in calib], dev)
+    limit = model.cos_sin.shape[0]  # rotary table rows: the longest sequence the model can run
+    batch = prefill_batch([list(s)[:limit] for s in calib], dev)
     # One layer's KV pool, handed from layer to layer: only one layer runs at a time.
     pool = torch.zeros(2, blocks_for(batch.lengths), BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim,
                        dtype=dtype, device=dev)

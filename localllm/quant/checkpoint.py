@@ -12,9 +12,7 @@ modules load them as shards.
 
 from __future__ import annotations
 
-import json
 import re
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,10 +21,10 @@ import torch
 from torch import nn
 
 from localllm.errors import LocalLLMError
-from localllm.models.llama import _STACKED, LlamaForCausalLM, ModelConfig
+from localllm.models.llama import _STACKED, LlamaForCausalLM
+from localllm.models.loader import Checkpoint, save_hf_folder
 from localllm.quant.awq import AWQLinear, awq_config, check_awq_config
 from localllm.quant.linear import QuantLinear, fused_sizes, iter_linears
-from localllm.tokenizer import Tokenizer
 
 _CT_FORMATS = ("float-quantized", "int-quantized", "naive-quantized")
 
@@ -160,32 +158,6 @@ def checkpoint_config(method: str, group_size: int | None) -> dict[str, Any]:
     }
 
 
-def hf_config(cfg: ModelConfig) -> dict[str, Any]:
-    """config.json for a model whose source had none (a GGUF file)."""
-    model_type = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                  "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}[cfg.architecture]
-    out: dict[str, Any] = {
-        "architectures": [cfg.architecture],
-        "model_type": model_type,
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "tie_word_embeddings": cfg.tie_word_embeddings,
-        "attention_bias": cfg.qkv_bias,
-        "hidden_act": "silu",
-    }
-    if cfg.rope_scaling is not None:
-        out["rope_scaling"] = cfg.rope_scaling
-    return out
-
-
 def model_tensors(model: LlamaForCausalLM, float_dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """HF-named, un-fused tensors of a (partly) quantized model, on the CPU."""
     out: dict[str, torch.Tensor] = {}
@@ -214,56 +186,30 @@ def model_tensors(model: LlamaForCausalLM, float_dtype: torch.dtype) -> dict[str
     return {k: v.cpu().contiguous() for k, v in out.items()}
 
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-                    "chat_template.jinja", "vocab.json", "merges.txt", "added_tokens.json", "tokenizer.model")
-
-
-def write_tokenizer(tokenizer: Tokenizer, source: Path, out: Path) -> None:
-    """Copies an HF folder's tokenizer files, or writes them from a GGUF file's tokenizer."""
-    if source.is_dir():
-        for f in _TOKENIZER_FILES:
-            if (source / f).is_file():
-                shutil.copy2(source / f, out / f)
-        return
-    tokenizer.backend.save(str(out / "tokenizer.json"))
-    cfg = {"chat_template": tokenizer.chat_template, "bos_token": tokenizer.bos_token,
-           "eos_token": tokenizer.eos_token, "add_bos_token": tokenizer.add_bos}
-    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    gen = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": list(tokenizer.eos_token_ids)}
-    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-
-
 def save_quantized(
     model: LlamaForCausalLM,
-    tokenizer: Tokenizer,
-    source: Path,
+    ckpt: Checkpoint,
     out: Path,
     method: str,
     group_size: int | None,
     float_dtype: torch.dtype | None = None,
 ) -> Path:
-    """Writes ``model`` (quantized with ``method``) as an HF folder: config.json with its
-    quantization_config, model.safetensors, and the tokenizer. Float tensors are written in
-    fp16 for AWQ (what AutoAWQ and vLLM's AWQ kernels expect) and bf16 otherwise."""
-    from safetensors.torch import save_file
-
+    """Writes ``model`` (``ckpt`` quantized with ``method``) as an HF folder: config.json with
+    its quantization_config, model.safetensors, and the tokenizer files. Float tensors are
+    written in fp16 for AWQ (what AutoAWQ and vLLM's AWQ kernels expect), bf16 otherwise."""
     if float_dtype is None:
         float_dtype = torch.float16 if method in ("awq", "rtn4") else torch.bfloat16
     if out.exists() and not out.is_dir():
         raise LocalLLMError(f"{out}: exists and is not a folder; pick another -o")
     if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
         raise LocalLLMError(f"{out}: folder is not empty and holds no model; pick an empty or new -o")
-    out.mkdir(parents=True, exist_ok=True)
-    if source.is_dir() and (source / "config.json").is_file():
-        cfg = json.loads((source / "config.json").read_text())
-    else:
-        cfg = hf_config(model.config)
-    cfg["quantization_config"] = checkpoint_config(method, group_size)
-    cfg["torch_dtype"] = str(float_dtype).removeprefix("torch.")
+    if out.resolve() == ckpt.path.resolve():
+        raise LocalLLMError(f"{out}: is the model being quantized; pick another -o")
     tensors = model_tensors(model, float_dtype)
+    out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("*.safetensors*"):  # an earlier run's shards would be loaded too
         stale.unlink()
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    write_tokenizer(tokenizer, source, out)
+    extra = {"quantization_config": checkpoint_config(method, group_size),
+             "torch_dtype": str(float_dtype).removeprefix("torch.")}
+    save_hf_folder(ckpt, out, iter(tensors.items()), extra)
     return out

@@ -60,7 +60,7 @@ def run_quantize(args: argparse.Namespace) -> int:
     from localllm import store
     from localllm.errors import LocalLLMError
     from localllm.models.loader import build_model, open_checkpoint
-    from localllm.quant.methods import check_method, int4_group_size, quantize_model, weight_bytes
+    from localllm.quant.methods import check_method, config_group_size, quantize_model, weight_bytes
     from localllm.quant.checkpoint import save_quantized
     from localllm.quant.eval import DEFAULT_CALIB, calibration_samples
 
@@ -73,6 +73,7 @@ def run_quantize(args: argparse.Namespace) -> int:
     if ckpt.config.quantization:
         raise LocalLLMError(f"{path}: already quantized ({ckpt.config.quantization.get('quant_method')}); "
                             "quantize its float original")
+    group = config_group_size(ckpt.config, args.group_size) if method in ("awq", "rtn4") else None
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise LocalLLMError("--device cuda: torch sees no CUDA GPU here; use --device cpu")
@@ -91,7 +92,6 @@ def run_quantize(args: argparse.Namespace) -> int:
     say(f"loading {path}")
     # float32 on the CPU: the searches and the rounding see the checkpoint's values unrounded
     model = build_model(ckpt, torch.float32 if dev.type == "cpu" else torch.bfloat16, dev, 2048)
-    group = int4_group_size(model, args.group_size) if method in ("awq", "rtn4") else None
     before = weight_bytes(model)
     stage = "awq search: layer" if method == "awq" else "quantizing: linear"
 
@@ -107,7 +107,7 @@ def run_quantize(args: argparse.Namespace) -> int:
             stage = "quantizing: linear"
 
     quantize_model(model, method, progress=staged, group_size=group, calib=calib)
-    save_quantized(model, ckpt.tokenizer, path, out, method, group)
+    save_quantized(model, ckpt, out, method, group)
     size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     say(f"{method}{f' (group {group})' if group else ''}: weights {before / 2**20:.1f} MiB -> "
         f"{weight_bytes(model) / 2**20:.1f} MiB in memory, {size / 2**20:.1f} MiB on disk, "

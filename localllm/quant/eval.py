@@ -24,7 +24,14 @@ import torch
 from localllm.errors import LocalLLMError
 from localllm.models.llama import LlamaForCausalLM
 from localllm.models.loader import Checkpoint, build_model, open_checkpoint
-from localllm.quant.methods import METHODS, check_method, int4_group_size, prepare_online, quantize_model, weight_bytes
+from localllm.quant.methods import (
+    METHODS,
+    check_method,
+    config_group_size,
+    prepare_online,
+    quantize_model,
+    weight_bytes,
+)
 from localllm.quant.forward import greedy_generate, prefill_logits
 from localllm.tokenizer import Tokenizer
 
@@ -186,7 +193,7 @@ def evaluate(
     wins = windows_of(ids, window)
     chat = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS[:prompts]]
     max_pos = max(window, max(len(c) for c in chat) + gen_tokens) + 1
-    int4 = any(m in ("awq", "rtn4") for m in modes)
+    group = config_group_size(ckpt.config, group_size) if any(m in ("awq", "rtn4") for m in modes) else None
     calib: list[list[int]] | None = None
     calib_file = None
     if "awq" in modes:
@@ -198,7 +205,7 @@ def evaluate(
         calib = calibration_samples(tok, calib_file, calib_tokens)
     report = EvalReport(
         model=str(path), text=str(text_path), tokens=sum(len(w) for w in wins), windows=len(wins), window=window,
-        device=str(dev), dtype=str(torch_dtype).removeprefix("torch."), group_size=None,
+        device=str(dev), dtype=str(torch_dtype).removeprefix("torch."), group_size=group,
         calib=str(calib_file) if calib_file else None, calib_tokens=sum(len(c) for c in calib or []),
     )
 
@@ -207,9 +214,7 @@ def evaluate(
     for mode in ["none", *[m for m in modes if m != "none"]]:
         log(f"[{mode}] loading{' and quantizing' if mode != 'none' else ''} ...")
         t0 = time.perf_counter()
-        model = load_mode(ckpt, mode, torch_dtype, dev, max_pos, group_size, calib)
-        if int4 and report.group_size is None:
-            report.group_size = int4_group_size(model, group_size) if mode == "none" else group_size
+        model = load_mode(ckpt, mode, torch_dtype, dev, max_pos, group, calib)
         load_s = time.perf_counter() - t0
         log(f"[{mode}] perplexity over {len(wins)} windows of {len(wins[0])} tokens ...")
         ppl = perplexity(model, wins)
@@ -222,8 +227,7 @@ def evaluate(
         speed = decode_speed(model, chat[0], speed_tokens)
         result = ModeResult(mode, ppl, 100 * (ppl / base_ppl - 1), weight_bytes(model), speed, agree, prefix, load_s)
         log(f"[{mode}] ppl {ppl:.3f} ({result.delta_pct:+.2f}%), agreement {agree:.1%}, {speed:.1f} tok/s")
-        if mode in modes or mode == "none":
-            report.results.append(result)
+        report.results.append(result)
         del model
     report.gates = quality_gates(report.results)
     return report

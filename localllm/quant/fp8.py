@@ -11,6 +11,7 @@ from functools import cache
 
 import torch
 
+from localllm.kernels.fp8_gemm import fp8_w8a8_gemm
 from localllm.quant.linear import ChannelScaledLinear
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -25,34 +26,17 @@ def quantize_fp8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return (wf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
-def native_fp8(device: torch.device) -> bool:
-    """FP8 tensor cores exist from compute capability 8.9 (Ada, Hopper) on."""
-    return device.type == "cuda" and _capability(device.index) >= (8, 9)
-
-
 @cache
 def _fp8_table(dtype: torch.dtype) -> torch.Tensor:
     """Value of every float8_e4m3fn bit pattern, in ``dtype`` (CPU)."""
     return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8_DTYPE).to(dtype)
 
 
-@cache
-def _capability(index: int | None) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
-def _kernel():  # noqa: ANN202 - the kernel function or None
-    try:
-        from localllm.kernels.fp8_gemm import fp8_w8a8_gemm
-    except ImportError:
-        return None
-    return fp8_w8a8_gemm
-
-
 class FP8Linear(ChannelScaledLinear):
-    """On compute capability >= 8.9: the FP8 GEMM of ``localllm.kernels`` (activations
-    quantized per token inside it). Elsewhere, including every CPU: the weight is upcast on
-    the fly, so FP8 saves memory but not time (CPU ``_scaled_mm`` measured ~3 ms per call)."""
+    """CUDA: ``localllm.kernels.fp8_gemm`` (activations quantized per token; FP8 tensor cores
+    from compute capability 8.9, its dequantizing reference below). CPU: the weight is
+    upcast on the fly and activations stay float, so FP8 saves memory, not time (CPU
+    ``_scaled_mm`` measured ~3 ms per call)."""
 
     method = "fp8"
     storage_dtype = FP8_DTYPE
@@ -72,6 +56,8 @@ class FP8Linear(ChannelScaledLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        kernel = _kernel() if x.is_cuda and native_fp8(x.device) else None
-        y = kernel(x2, self.weight, self.weight_scale) if kernel is not None else self._dequant_matmul(x2)
+        if x.device.type == "cpu":
+            y = self._dequant_matmul(x2)
+        else:  # the kernel quantizes activations per token; below sm89 it runs its reference
+            y = fp8_w8a8_gemm(x2, self.weight, self.weight_scale)
         return self._add_bias(y.to(x.dtype)).reshape(*shape[:-1], self.out_features)

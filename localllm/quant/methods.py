@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from localllm.errors import LocalLLMError
+from localllm.models.llama import ModelConfig
 from localllm.quant.awq import AWQLinear, pick_group_size
 from localllm.quant.fp8 import FP8Linear
 from localllm.quant.int8 import Int8Linear, Int8W8A8Linear
@@ -39,6 +40,7 @@ __all__ = [
     "METHODS",
     "QuantLinear",
     "check_method",
+    "config_group_size",
     "int4_group_size",
     "make_quant_linear",
     "prepare_for_checkpoint",
@@ -71,6 +73,13 @@ def make_quant_linear(
             group_size = pick_group_size({"linear": in_features}, None)
         return AWQLinear(in_features, out_features, group_size, output_sizes, bias, online)
     return cls(in_features, out_features, output_sizes, bias, online)
+
+
+def config_group_size(cfg: ModelConfig, requested: int | None) -> int:
+    """``int4_group_size`` from the config alone, to reject a bad --group-size before loading."""
+    dims = {"qkv_proj/gate_up_proj": cfg.hidden_size, "o_proj": cfg.num_heads * cfg.head_dim,
+            "down_proj": cfg.intermediate_size}
+    return pick_group_size(dims, requested)
 
 
 def int4_group_size(model: nn.Module, requested: int | None) -> int:

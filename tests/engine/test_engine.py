@@ -22,9 +22,9 @@ def _engine(path, **kw) -> LLMEngine:
 
 @pytest.fixture(scope="module")
 def small_pool_engine(default_model_path) -> LLMEngine:
-    # 30 blocks x 16 tokens: 16 requests of up to ~90 tokens cannot all fit, so the scheduler
+    # 14 blocks x 16 tokens: 16 requests of up to ~50 tokens cannot all fit, so the scheduler
     # must preempt; a 48-token step budget forces chunked prefill mixed with decodes.
-    return _engine(default_model_path, num_kv_blocks=30, max_num_batched_tokens=48)
+    return _engine(default_model_path, num_kv_blocks=14, max_num_batched_tokens=48)
 
 
 def _run_alone(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> list[int]:
@@ -45,9 +45,9 @@ def test_batched_outputs_equal_solo_runs_under_preemption_and_aborts(small_pool_
     requests = []
     for i, topic in enumerate(TOPICS):
         words = " ".join(rng.choice(["Tell", "me", "a", "short", "story", "about", "please", "now"])
-                         for _ in range(rng.randint(2, 24)))
+                         for _ in range(rng.randint(2, 14)))
         prompt = tok.encode(f"{words} Here is a sentence about {topic}:")
-        params = SamplingParams(temperature=0.0, max_tokens=rng.randint(12, 36), ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=rng.randint(8, 24), ignore_eos=True)
         arrival = rng.randint(0, 6)
         abort_at = arrival + rng.randint(1, 10) if i % 5 == 4 else None
         requests.append((f"r{i}", prompt, params, arrival, abort_at))

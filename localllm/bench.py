@@ -1,0 +1,765 @@
+"""``localllm bench``: throughput and latency of the engine (or of any OpenAI-compatible
+server, with ``--endpoint``) on the workloads that matter for chat.
+
+Workloads (issue 3, "Benchmark"):
+
+- ``chats``: N concurrent chats (N = 1, 4, 16, 64) served from a shared queue of
+  ``rounds * N`` requests, each chat sending its next request as soon as its reply ends.
+  Two output-length mixes: ``mixed`` (deterministic spread from 32 to 1,024 tokens) and
+  ``straggler`` (one 2,000-token reply per max(N, 4) requests, the rest 50 tokens).
+- ``rag``: a shared 3,000-token system prompt, then short questions one at a time;
+  TTFT of the later questions against the first (which pays the prefill).
+- ``multiturn``: one 10-turn chat; TTFT of turn 10 against turn 2.
+
+``--compare static,sequential`` reruns the chat requests with static batching (batches of N
+start together; the next batch waits for the slowest of the last) and one at a time;
+``nocache`` reruns rag and multiturn with prefix caching off (local engine only). Output
+lengths are fixed with ``ignore_eos``; ``--scale`` shrinks them for quick runs.
+
+Timings come from the request metrics the engine (or ``RemoteEngine``) records; a request's
+TTFT counts from when the benchmark hands it over. Every run gets fresh prompt text (a run
+nonce), and the local prefix cache is reset between modes, so no mode inherits another's
+cache. The local run also measures batch-1 decode against a plain greedy loop over the same
+model runner, with no scheduler, block manager or detokenizer in the way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import re
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Any
+
+WORKLOADS = ("chats", "rag", "multiturn")
+MIXES = ("mixed", "straggler")
+COMPARE_MODES = ("static", "sequential", "nocache")
+MIXED_LENGTHS = (32, 64, 128, 256, 512, 1024)
+STRAGGLER_LONG, STRAGGLER_SHORT = 2000, 50
+MIN_TOKENS = 4
+
+TOPICS = ["a lighthouse keeper", "the first train to the coast", "a lost umbrella", "bees in winter",
+          "a chess club", "the night market", "an old radio", "a mountain rescue", "bread at dawn",
+          "a robot gardener", "the flooded library", "a jazz trio", "a desert well", "two rival bakers",
+          "the moon base", "a paper boat"]
+QUESTIONS = ["What does the document say about the harbor?", "Summarize the second paragraph.",
+             "Which city is mentioned most often?", "What is the budget for the bridge?",
+             "Who wrote the report?", "List three risks the document names.",
+             "What happens in winter?", "Is the factory still open?", "What is the main conclusion?",
+             "Which station is closest to the valley?"]
+TURN_MESSAGES = ["Let's plan a trip to the mountains.", "What should I pack?", "How about food?",
+                 "Which trail is best for beginners?", "What if it rains?", "How long should we stay?",
+                 "Can we bring a dog?", "What about the budget?", "Any safety tips?",
+                 "Summarize the plan in three lines.", "Thanks, anything else?", "Goodbye!"]
+_DOC_WORDS = ("river market engine garden report city winter signal budget forest harbor metal paper "
+              "window system battery valley rocket museum lesson farmer weather bridge circuit planet "
+              "doctor kitchen island station meeting orange silver desert library theory network "
+              "factory highway village").split()
+
+
+# ---- options and results ----
+
+@dataclass(slots=True)
+class BenchOptions:
+    workloads: tuple[str, ...] = WORKLOADS
+    chats: tuple[int, ...] = (1, 4, 16, 64)
+    mixes: tuple[str, ...] = MIXES
+    compare: tuple[str, ...] = ()
+    rounds: int = 4  # chat requests per chat slot
+    scale: float = 1.0  # output lengths are multiplied by this
+    rag_tokens: int = 3000
+    questions: int = 8
+    turns: int = 10
+    plain_tokens: int = 64  # batch-1 decode tokens against the plain loop; 0 skips it
+    progress: Callable[[str], None] | None = None
+
+
+@dataclass(slots=True)
+class BenchRequest:
+    prompt: Any  # chat messages, text, or token ids
+    max_tokens: int
+
+
+@dataclass(slots=True)
+class RequestResult:
+    ttft_s: float | None
+    latency_s: float
+    itls: list[float]
+    output_tokens: int
+    prompt_tokens: int
+    cached_tokens: int
+    text: str
+
+
+@dataclass(slots=True)
+class RunMetrics:
+    mode: str
+    requests: int
+    output_tokens: int
+    wall_s: float
+    output_tok_s: float
+    ttft_p50_s: float | None
+    ttft_p99_s: float | None
+    itl_p50_s: float | None
+    itl_p99_s: float | None
+    latency_p50_s: float | None
+    latency_p99_s: float | None
+    peak_kv_usage: float | None  # fraction of the KV pool held by running requests
+    peak_kv_blocks: int | None
+    prefix_hit_rate: float | None  # cached prompt tokens / prompt tokens
+    prompt_tokens: int
+    cached_tokens: int
+    max_batch: int | None
+    preemptions: int | None
+    slot_utilization: float | None = None  # static only: real tokens / (slots x slowest reply)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    if not values:
+        return None
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
+
+
+# ---- the engine under test ----
+
+class _Target:
+    """What the benchmark needs from a local ``AsyncEngine`` or a ``RemoteEngine``."""
+
+    def __init__(self, engine: Any) -> None:
+        from localllm.engine.engine import LLMEngine
+
+        self.engine = engine
+        inner = getattr(engine, "engine", None)
+        self.llm: LLMEngine | None = inner if isinstance(inner, LLMEngine) else None
+        self.endpoint: str | None = getattr(engine, "endpoint", None)
+        self._metrics_ok = self.endpoint is not None
+
+    @property
+    def local(self) -> bool:
+        return self.llm is not None
+
+    def count_tokens(self, text: str) -> int | None:
+        return len(self.llm.tokenizer.encode(text, add_special_tokens=False)) if self.llm else None
+
+    def reset_cache(self) -> None:
+        if self.llm is not None:  # the engine thread is idle between runs: nothing else touches it
+            self.llm.block_manager.reset_prefix_cache()
+
+    @contextmanager
+    def caching(self, enabled: bool) -> Iterator[None]:
+        if self.llm is None:
+            yield
+            return
+        bm = self.llm.block_manager
+        before = bm.enable_prefix_caching
+        bm.enable_prefix_caching = enabled and before
+        try:
+            yield
+        finally:
+            bm.enable_prefix_caching = before
+
+    async def kv_sample(self, client: Any) -> tuple[float | None, int | None, int | None, int | None]:
+        """(KV usage, KV blocks used, batch size, preemptions so far), None where unknown."""
+        if self.llm is not None:
+            s = self.engine.stats()
+            return s.kv_usage, s.kv_blocks_used, s.batch_size, s.num_preemptions
+        if not self._metrics_ok or client is None:
+            return None, None, None, None
+        return await self._scrape(client), None, None, None
+
+    async def _scrape(self, client: Any) -> float | None:
+        """KV usage from a Prometheus /metrics page: vLLM's, SGLang's and ours."""
+        assert self.endpoint is not None
+        url = re.sub(r"/v1$", "", self.endpoint) + "/metrics"
+        try:
+            r = await client.get(url)
+        except Exception:  # noqa: BLE001 - any failure means "this server has no metrics"
+            self._metrics_ok = False
+            return None
+        if r.status_code != 200:
+            self._metrics_ok = False
+            return None
+        best: float | None = None
+        for line in r.text.splitlines():
+            if line.startswith("#"):
+                continue
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name.endswith(("kv_cache_usage_perc", "gpu_cache_usage_perc")) or name == "sglang:token_usage":
+                try:
+                    value = float(line.rsplit(" ", 1)[1])
+                except (IndexError, ValueError):
+                    continue
+                best = value if best is None else max(best, value)
+        return best
+
+
+async def _one(target: _Target, req: BenchRequest, rid: str) -> RequestResult:
+    from localllm.engine.sequence import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=req.max_tokens, ignore_eos=True)
+    t0 = time.monotonic()
+    final = None
+    async for out in target.engine.generate(req.prompt, params, rid):
+        final = out
+    assert final is not None and final.finished
+    m = final.metrics
+    end = m.finished_time or m.last_token_time or time.monotonic()
+    return RequestResult(
+        ttft_s=None if m.first_token_time is None else m.first_token_time - t0,
+        latency_s=end - t0,
+        itls=list(m.inter_token_latencies),
+        output_tokens=len(final.outputs[0].token_ids),
+        prompt_tokens=len(final.prompt_token_ids),
+        cached_tokens=final.num_cached_tokens,
+        text=final.outputs[0].text,
+    )
+
+
+class _Run:
+    """One measured run: samples KV use while it lasts and sums up its requests."""
+
+    def __init__(self, target: _Target, mode: str) -> None:
+        self.target = target
+        self.mode = mode
+        self.results: list[RequestResult] = []
+        self.peak_usage: float | None = None
+        self.peak_blocks: int | None = None
+        self.max_batch: int | None = None
+        self.preempt0: int | None = None
+        self.preempt1: int | None = None
+        self._ids = 0
+
+    def rid(self) -> str:
+        self._ids += 1
+        return f"bench-{self.mode}-{self._ids}-{random.getrandbits(32):08x}"
+
+    async def measure(self, work: Callable[[], Awaitable[None]]) -> float:
+        import httpx
+
+        key = getattr(self.target.engine, "api_key", None)
+        client = None if self.target.local else httpx.AsyncClient(
+            timeout=5.0, headers={"Authorization": f"Bearer {key}"} if key else None)
+        stop = asyncio.Event()
+
+        async def sampler() -> None:
+            interval = 0.01 if self.target.local else 0.25
+            while True:
+                usage, blocks, batch, preempt = await self.target.kv_sample(client)
+                if usage is not None:
+                    self.peak_usage = max(self.peak_usage or 0.0, usage)
+                if blocks is not None:
+                    self.peak_blocks = max(self.peak_blocks or 0, blocks)
+                if batch is not None:
+                    self.max_batch = max(self.max_batch or 0, batch)
+                if preempt is not None:
+                    self.preempt0 = preempt if self.preempt0 is None else self.preempt0
+                    self.preempt1 = preempt
+                if stop.is_set():
+                    return
+                try:
+                    await asyncio.wait_for(stop.wait(), interval)
+                except asyncio.TimeoutError:
+                    pass
+
+        task = asyncio.create_task(sampler())
+        t0 = time.monotonic()
+        try:
+            await work()
+        finally:
+            wall = time.monotonic() - t0
+            stop.set()
+            await task
+            if client is not None:
+                await client.aclose()
+        return wall
+
+    def metrics(self, wall: float, slot_utilization: float | None = None) -> RunMetrics:
+        rs = self.results
+        out = sum(r.output_tokens for r in rs)
+        prompt = sum(r.prompt_tokens for r in rs)
+        cached = sum(r.cached_tokens for r in rs)
+        ttfts = [r.ttft_s for r in rs if r.ttft_s is not None]
+        itls = [x for r in rs for x in r.itls]
+        lat = [r.latency_s for r in rs]
+
+        def rnd(x: float | None, nd: int = 4) -> float | None:
+            return None if x is None else round(x, nd)
+
+        return RunMetrics(
+            mode=self.mode, requests=len(rs), output_tokens=out, wall_s=round(wall, 3),
+            output_tok_s=round(out / wall, 2) if wall > 0 else 0.0,
+            ttft_p50_s=rnd(percentile(ttfts, 50)), ttft_p99_s=rnd(percentile(ttfts, 99)),
+            itl_p50_s=rnd(percentile(itls, 50), 5), itl_p99_s=rnd(percentile(itls, 99), 5),
+            latency_p50_s=rnd(percentile(lat, 50)), latency_p99_s=rnd(percentile(lat, 99)),
+            peak_kv_usage=rnd(self.peak_usage), peak_kv_blocks=self.peak_blocks,
+            prefix_hit_rate=round(cached / prompt, 4) if prompt else None,
+            prompt_tokens=prompt, cached_tokens=cached, max_batch=self.max_batch,
+            preemptions=None if self.preempt0 is None else (self.preempt1 or 0) - self.preempt0,
+            slot_utilization=rnd(slot_utilization),
+        )
+
+
+# ---- serving disciplines over one request list ----
+
+Measured = tuple[RunMetrics, list[RequestResult]]
+
+
+async def run_continuous(target: _Target, reqs: list[BenchRequest], concurrency: int) -> Measured:
+    """``concurrency`` chats pull from one queue; the engine batches whatever is in flight."""
+    run = _Run(target, "continuous")
+    queue = list(reversed(reqs))
+
+    async def chat() -> None:
+        while queue:
+            req = queue.pop()
+            run.results.append(await _one(target, req, run.rid()))
+
+    async def work() -> None:
+        await asyncio.gather(*(chat() for _ in range(min(concurrency, len(reqs)))))
+
+    return run.metrics(await run.measure(work)), run.results
+
+
+async def run_static(target: _Target, reqs: list[BenchRequest], batch_size: int) -> Measured:
+    """Batches of ``batch_size`` start together and the next waits for the slowest, so a
+    finished slot idles until its batch ends: that idle slot time is in the wall time. The
+    engine does not compute padding for the idle slots, which flatters static batching (a
+    padded batch would), so the continuous/static ratio is a lower bound."""
+    run = _Run(target, "static")
+    used = slots = 0
+
+    async def work() -> None:
+        nonlocal used, slots
+        for i in range(0, len(reqs), batch_size):
+            batch = reqs[i : i + batch_size]
+            results = await asyncio.gather(*(_one(target, r, run.rid()) for r in batch))
+            run.results.extend(results)
+            used += sum(r.output_tokens for r in results)
+            slots += len(batch) * max(r.output_tokens for r in results)
+
+    wall = await run.measure(work)
+    return run.metrics(wall, used / slots if slots else None), run.results
+
+
+async def run_sequential(target: _Target, reqs: list[BenchRequest], mode: str = "sequential") -> Measured:
+    run = _Run(target, mode)
+
+    async def work() -> None:
+        for req in reqs:
+            run.results.append(await _one(target, req, run.rid()))
+
+    return run.metrics(await run.measure(work)), run.results
+
+
+# ---- workloads ----
+
+def _scaled(tokens: int, scale: float) -> int:
+    return max(MIN_TOKENS, round(tokens * scale))
+
+
+def chat_lengths(n: int, mix: str, rounds: int, scale: float) -> list[int]:
+    total = rounds * n
+    if mix == "straggler":
+        period = max(n, 4)  # at N = 1 every reply would be the straggler
+        raw = [STRAGGLER_LONG if i % period == 0 else STRAGGLER_SHORT for i in range(total)]
+    else:
+        # a fixed shuffle of the length ladder: every run and every mode gets the same lengths
+        raw = [MIXED_LENGTHS[i % len(MIXED_LENGTHS)] for i in range(total)]
+        random.Random(1234 + n).shuffle(raw)
+    return [_scaled(t, scale) for t in raw]
+
+
+def chat_requests(n: int, mix: str, rounds: int, scale: float, nonce: str) -> list[BenchRequest]:
+    return [BenchRequest([{"role": "user", "content": f"[{nonce}-{i}] Write a long story about "
+                                                      f"{TOPICS[i % len(TOPICS)]}."}], length)
+            for i, length in enumerate(chat_lengths(n, mix, rounds, scale))]
+
+
+def document(target: _Target, tokens: int, nonce: str) -> str:
+    """Pseudo-prose of about ``tokens`` tokens; exact when the tokenizer is at hand."""
+    rng = random.Random(42)
+    sentences = []
+    words = 0
+    while words * 1.1 < tokens * 1.05:  # ~1.1 tokens a word with this vocabulary and punctuation
+        k = rng.randint(6, 14)
+        sentences.append(" ".join(rng.choice(_DOC_WORDS) for _ in range(k)).capitalize() + ".")
+        words += k
+    text = f"Document {nonce}. " + " ".join(sentences)
+    if target.llm is not None:
+        tok = target.llm.tokenizer
+        return tok.decode(tok.encode(text, add_special_tokens=False)[:tokens])
+    return " ".join(text.split()[: int(tokens / 1.1)])
+
+
+def _say(opts: BenchOptions, message: str) -> None:
+    if opts.progress is not None:
+        opts.progress(message)
+
+
+async def bench_chats(target: _Target, opts: BenchOptions, nonce: str) -> list[dict[str, Any]]:
+    rows = []
+    modes = ["continuous"] + [m for m in ("static", "sequential") if m in opts.compare]
+    for n in opts.chats:
+        for mix in opts.mixes:
+            row: dict[str, Any] = {"n": n, "mix": mix, "modes": {}}
+            for mode in modes:
+                # a fresh nonce per mode: no mode reuses another's cached prompts on a remote server
+                reqs = chat_requests(n, mix, opts.rounds, opts.scale, f"{nonce}{mode[0]}")
+                row["requests"] = len(reqs)
+                row["output_lengths"] = sorted({r.max_tokens for r in reqs})
+                _say(opts, f"chats N={n} {mix}: {mode} ({len(reqs)} requests, "
+                           f"{sum(r.max_tokens for r in reqs):,} output tokens)")
+                target.reset_cache()
+                if mode == "continuous":
+                    m, _ = await run_continuous(target, reqs, n)
+                elif mode == "static":
+                    m, _ = await run_static(target, reqs, n)
+                else:
+                    m, _ = await run_sequential(target, reqs)
+                row["modes"][mode] = asdict(m)
+            cont = row["modes"]["continuous"]["output_tok_s"]
+            row["ratios"] = {f"continuous/{m}": _ratio(cont, row["modes"][m]["output_tok_s"]) for m in modes[1:]}
+            rows.append(row)
+    return rows
+
+
+def _cache_modes(target: _Target, opts: BenchOptions) -> list[str]:
+    return ["continuous"] + (["nocache"] if "nocache" in opts.compare and target.local else [])
+
+
+async def bench_rag(target: _Target, opts: BenchOptions, nonce: str) -> dict[str, Any]:
+    """Questions go one at a time, so each later TTFT is its own prefill, not a queue."""
+    result: dict[str, Any] = {"modes": {}}
+    for mode in _cache_modes(target, opts):
+        system = "Answer the user's question from this document.\n\n" + document(
+            target, opts.rag_tokens, f"{nonce}{mode[0]}")
+        reqs = [BenchRequest([{"role": "system", "content": system},
+                              {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
+                             _scaled(32, opts.scale)) for i in range(opts.questions)]
+        _say(opts, f"rag: {mode} ({opts.rag_tokens:,}-token document, {len(reqs)} questions)")
+        target.reset_cache()
+        with target.caching(mode != "nocache"):
+            m, results = await run_sequential(target, reqs, mode)
+        first = results[0].ttft_s
+        later = percentile([r.ttft_s for r in results[1:] if r.ttft_s is not None], 50)
+        result["modes"][mode] = {
+            **asdict(m), "system_prompt_tokens": target.count_tokens(system),
+            "ttft_first_s": None if first is None else round(first, 4),
+            "ttft_later_p50_s": None if later is None else round(later, 4),
+            "ttft_later_over_first": _ratio(later, first),
+        }
+    return result
+
+
+async def bench_multiturn(target: _Target, opts: BenchOptions, nonce: str) -> dict[str, Any]:
+    result: dict[str, Any] = {"modes": {}}
+    for mode in _cache_modes(target, opts):
+        _say(opts, f"multiturn: {mode} ({opts.turns} turns)")
+        target.reset_cache()
+        run = _Run(target, mode)
+        reply_tokens = _scaled(64, opts.scale)
+
+        async def work(run: _Run = run, mode: str = mode, reply_tokens: int = reply_tokens) -> None:
+            messages: list[dict[str, str]] = []
+            for turn in range(opts.turns):
+                text = TURN_MESSAGES[turn % len(TURN_MESSAGES)]
+                if turn == 0:
+                    text = f"[{nonce}{mode[0]}] {text}"
+                messages.append({"role": "user", "content": text})
+                r = await _one(target, BenchRequest(list(messages), reply_tokens), run.rid())
+                run.results.append(r)
+                messages.append({"role": "assistant", "content": r.text})
+
+        with target.caching(mode != "nocache"):
+            m = run.metrics(await run.measure(work))
+        ttfts = [r.ttft_s for r in run.results]
+        second = ttfts[1] if len(ttfts) > 1 else None
+        result["modes"][mode] = {
+            **asdict(m), "ttft_by_turn_s": [None if t is None else round(t, 4) for t in ttfts],
+            "prompt_tokens_by_turn": [r.prompt_tokens for r in run.results],
+            "cached_tokens_by_turn": [r.cached_tokens for r in run.results],
+            "ttft_last_over_turn2": _ratio(ttfts[-1], second),
+        }
+    return result
+
+
+# ---- batch-1 decode: the engine against a plain loop ----
+
+def plain_greedy(llm: Any, prompt_ids: list[int], n_tokens: int) -> tuple[list[int], float]:
+    """Greedy decode straight on the model runner's model and KV pool: one sequence, a
+    contiguous block table, argmax; no scheduler, sampler or detokenizer. Returns the tokens
+    and the decode rate (tokens after the first, per second). The engine must be idle: the
+    blocks come from its block manager and go back to it unhashed."""
+    import torch
+
+    from localllm.engine.sequence import SamplingParams, Sequence
+    from localllm.models.llama import AttentionMetadata
+    from localllm.tokenizer import IncrementalDetokenizer
+
+    runner = llm.runner
+    model = runner.model
+    dev = runner.device
+    bs = runner.block_size
+    total = len(prompt_ids) + n_tokens
+    seq = Sequence("bench-plain", list(prompt_ids), SamplingParams(max_tokens=n_tokens),
+                   IncrementalDetokenizer(llm.tokenizer), (), total + 1)
+    if not llm.block_manager.allocate(seq, total):
+        raise RuntimeError("the KV pool is too small for the plain loop")
+    try:
+        table = torch.tensor([seq.block_table], dtype=torch.int32)
+        pos = torch.arange(total, dtype=torch.int64)
+        slots = (table[0].long()[pos // bs] * bs + pos % bs).to(dev)
+        pos = pos.to(dev)
+        table = table.to(dev)
+        p = len(prompt_ids)
+        with torch.inference_mode():
+            meta = AttentionMetadata(slots[:p], torch.tensor([0, p], dtype=torch.int32, device=dev),
+                                     torch.tensor([p], dtype=torch.int32, device=dev), table, 0)
+            hidden = model(torch.tensor(prompt_ids, dtype=torch.int64, device=dev), pos[:p], meta)
+            token = int(model.compute_logits(hidden[-1:]).argmax(-1))
+            tokens = [token]
+            qsl = torch.tensor([0, 1], dtype=torch.int32, device=dev)
+            t0 = time.monotonic()
+            for i in range(p, total - 1):
+                meta = AttentionMetadata(slots[i : i + 1], qsl, torch.tensor([i + 1], dtype=torch.int32, device=dev),
+                                         table, 1)
+                hidden = model(torch.tensor([token], dtype=torch.int64, device=dev), pos[i : i + 1], meta)
+                token = int(model.compute_logits(hidden).argmax(-1))  # int(): syncs, as the engine does
+                tokens.append(token)
+            elapsed = time.monotonic() - t0
+    finally:
+        llm.block_manager.free(seq)
+    return tokens, (len(tokens) - 1) / elapsed if elapsed > 0 else 0.0
+
+
+async def bench_plain(target: _Target, opts: BenchOptions) -> dict[str, Any]:
+    """Alternates plain and engine runs (twice each) so load drifts hit both; best of each."""
+    from localllm.engine.sequence import SamplingParams
+
+    assert target.llm is not None
+    llm = target.llm
+    prompt = llm.tokenizer.encode_chat([{"role": "user", "content": "Tell me about the history of bread."}])
+    n = max(opts.plain_tokens, 2)
+    _say(opts, f"batch-1 decode: engine against the plain loop ({n} tokens, 2 runs each)")
+    plain_rates, engine_rates = [], []
+    plain_tokens: list[int] = []
+    engine_tokens: list[int] = []
+    for _ in range(2):
+        target.reset_cache()
+        plain_tokens, rate = await asyncio.to_thread(plain_greedy, llm, prompt, n)
+        plain_rates.append(rate)
+        target.reset_cache()
+        final = None
+        async for out in target.engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=n,
+                                                                       ignore_eos=True)):
+            final = out
+        assert final is not None
+        engine_tokens = final.outputs[0].token_ids
+        itls = final.metrics.inter_token_latencies
+        engine_rates.append(len(itls) / sum(itls) if itls and sum(itls) > 0 else 0.0)
+    plain, engine = max(plain_rates), max(engine_rates)
+    return {
+        "tokens": n, "prompt_tokens": len(prompt),
+        "plain_tok_s": round(plain, 2), "engine_tok_s": round(engine, 2),
+        "plain_runs_tok_s": [round(r, 2) for r in plain_rates], "engine_runs_tok_s": [round(r, 2) for r in engine_rates],
+        "plain_over_engine": _ratio(plain, engine),
+        "same_tokens": plain_tokens == engine_tokens,
+    }
+
+
+# ---- the whole benchmark ----
+
+async def run_bench(engine: Any, opts: BenchOptions) -> dict[str, Any]:
+    """Runs the chosen workloads on ``engine`` (an ``AsyncEngine`` or a ``RemoteEngine``),
+    which must be idle, and returns the report that ``--json`` prints."""
+    target = _Target(engine)
+    stats = engine.stats()
+    nonce = f"{random.getrandbits(24):06x}"
+    report: dict[str, Any] = {
+        "model": stats.model, "device": stats.device, "precision": stats.precision,
+        "endpoint": target.endpoint,
+        "kv_blocks_total": stats.kv_blocks_total or None,
+        "options": {k: v for k, v in asdict(opts).items() if k != "progress"},
+    }
+    # one short request first: lazy initialisation must not land in the first measured run
+    await _one(target, BenchRequest([{"role": "user", "content": f"[{nonce}] hi"}], 4), f"bench-warmup-{nonce}")
+    started = time.monotonic()
+    if target.local and opts.plain_tokens:
+        report["batch1_decode"] = await bench_plain(target, opts)
+    if "chats" in opts.workloads:
+        report["chats"] = await bench_chats(target, opts, nonce)
+    if "rag" in opts.workloads:
+        report["rag"] = await bench_rag(target, opts, nonce)
+    if "multiturn" in opts.workloads:
+        report["multiturn"] = await bench_multiturn(target, opts, nonce)
+    report["bench_wall_s"] = round(time.monotonic() - started, 2)
+    return report
+
+
+# ---- text report ----
+
+def _fmt(x: float | None, unit: str = "", nd: int = 2, scale: float = 1.0) -> str:
+    return "-" if x is None else f"{x * scale:.{nd}f}{unit}"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _mode_line(name: str, m: dict[str, Any]) -> str:
+    return (f"  {name:<11} {m['output_tok_s']:>8.1f}  {_fmt(m['ttft_p50_s'], nd=3):>7} {_fmt(m['ttft_p99_s'], nd=3):>7}"
+            f"  {_fmt(m['itl_p50_s'], nd=1, scale=1e3):>6} {_fmt(m['itl_p99_s'], nd=1, scale=1e3):>6}"
+            f"  {_pct(m['peak_kv_usage']):>7}  {_pct(m['prefix_hit_rate']):>6}  {m['wall_s']:>7.1f}")
+
+
+_HEADER = (f"  {'mode':<11} {'tok/s':>8}  {'TTFT p50':>7} {'p99':>7}  {'ITL ms':>6} {'p99':>6}"
+           f"  {'peak KV':>7}  {'prefix':>6}  {'wall s':>7}")
+
+
+def format_report(r: dict[str, Any]) -> str:
+    lines = [f"localllm bench: {r['model']} on {r['endpoint'] or r['device']} ({r['precision']})"]
+    b1 = r.get("batch1_decode")
+    if b1:
+        lines.append(f"batch-1 decode: engine {b1['engine_tok_s']:.1f} tok/s, plain loop {b1['plain_tok_s']:.1f} tok/s "
+                     f"-> plain/engine {b1['plain_over_engine']}x (target <= 1.2); same tokens: {b1['same_tokens']}")
+    for row in r.get("chats", []):
+        lengths = row["output_lengths"]
+        title = f"chats N={row['n']} {row['mix']}: {row['requests']} requests, output lengths {lengths[0]}..{lengths[-1]}"
+        lines += ["", title, _HEADER]
+        lines += [_mode_line(name, m) for name, m in row["modes"].items()]
+        if row["ratios"]:
+            lines.append("  continuous = " + ", ".join(f"{v}x {k.split('/')[1]}" for k, v in row["ratios"].items()))
+    rag = r.get("rag")
+    if rag:
+        lines += ["", "rag: shared system prompt, then questions one at a time", _HEADER]
+        for name, m in rag["modes"].items():
+            lines.append(_mode_line(name, m))
+            lines.append(f"    TTFT first {_fmt(m['ttft_first_s'], 's', 3)}, later p50 {_fmt(m['ttft_later_p50_s'], 's', 3)}"
+                         f" -> later/first {m['ttft_later_over_first']} (target <= 0.1)")
+    mt = r.get("multiturn")
+    if mt:
+        lines += ["", "multiturn: one chat, turn after turn", _HEADER]
+        for name, m in mt["modes"].items():
+            lines.append(_mode_line(name, m))
+            lines.append("    TTFT by turn (s): " + " ".join(_fmt(t, nd=3) for t in m["ttft_by_turn_s"])
+                         + f" -> last/turn 2 {m['ttft_last_over_turn2']} (target <= 1.5)")
+    lines.append(f"\n(bench wall time {r['bench_wall_s']:.0f} s; TTFT in s; peak KV = share of the pool held)")
+    return "\n".join(lines)
+
+
+# ---- CLI ----
+
+def _csv(kind: Callable[[str], Any], allowed: tuple[str, ...] | None = None) -> Callable[[str], tuple[Any, ...]]:
+    def parse(text: str) -> tuple[Any, ...]:
+        items = tuple(kind(x.strip()) for x in text.split(",") if x.strip())
+        if allowed is not None:
+            bad = [x for x in items if x not in allowed]
+            if bad:
+                raise argparse.ArgumentTypeError(f"unknown {', '.join(bad)} (choose from {', '.join(allowed)})")
+        return items
+
+    return parse
+
+
+def _positive_ints(text: str) -> tuple[int, ...]:
+    try:
+        items = _csv(int)(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers like 1,4,16") from None
+    if not items or any(n < 1 for n in items):
+        raise argparse.ArgumentTypeError(f"{text!r}: every N must be at least 1")
+    return items
+
+
+def register(sub: Any) -> None:
+    from localllm.cli import _add_model_arg, _lazy
+
+    p: argparse.ArgumentParser = sub.add_parser(
+        "bench", help="throughput and latency: concurrent chats, shared-prefix RAG, multi-turn",
+        description="Benchmarks the local engine, or any OpenAI-compatible server with --endpoint.",
+    )
+    _add_model_arg(p)
+    p.add_argument("--endpoint", default=None, help="benchmark this OpenAI-compatible server instead")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--workload", type=_csv(str, WORKLOADS), default=WORKLOADS, help="default chats,rag,multiturn")
+    p.add_argument("--chats", type=_positive_ints, default=(1, 4, 16, 64), help="concurrent chats N (default 1,4,16,64)")
+    p.add_argument("--mix", type=_csv(str, MIXES), default=MIXES, help="chat output-length mixes (default mixed,straggler)")
+    p.add_argument("--compare", type=_csv(str, COMPARE_MODES), default=(),
+                   help="also run static batching, one-at-a-time, and/or prefix cache off: static,sequential,nocache")
+    p.add_argument("--rounds", type=int, default=4, help="chat requests per concurrent chat (default 4)")
+    p.add_argument("--scale", "--max-tokens-scale", dest="scale", type=float, default=1.0,
+                   help="multiply every output length (default 1: the 2,000/50-token straggler mix)")
+    p.add_argument("--rag-tokens", type=int, default=3000, help="shared system prompt length (default 3000)")
+    p.add_argument("--questions", type=int, default=8, help="rag questions (default 8)")
+    p.add_argument("--turns", type=int, default=10, help="multiturn turns (default 10)")
+    p.add_argument("--plain-tokens", type=int, default=64, help="batch-1 decode tokens against the plain loop (0 skips)")
+    p.add_argument("--json", action="store_true", help="print the full report as JSON")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    p.add_argument("--quant", default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (default: the plan's)")
+    p.add_argument("--device", default=None)
+    p.set_defaults(func=_lazy("localllm.bench:main"))
+
+
+def main(args: argparse.Namespace) -> int:
+    from localllm.errors import LocalLLMError
+
+    for name in ("rounds", "turns", "questions", "rag_tokens"):
+        if getattr(args, name) < 1:
+            raise LocalLLMError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.turns < 2 and "multiturn" in args.workload:
+        raise LocalLLMError("--turns must be at least 2 (turn 2 is the reference)")
+    if not args.scale > 0:
+        raise LocalLLMError("--scale must be > 0")
+    opts = BenchOptions(
+        workloads=args.workload, chats=args.chats, mixes=args.mix, compare=args.compare, rounds=args.rounds,
+        scale=args.scale, rag_tokens=args.rag_tokens, questions=args.questions, turns=args.turns,
+        plain_tokens=max(args.plain_tokens, 0),
+        progress=lambda msg: print(f"bench: {msg}", file=sys.stderr, flush=True),
+    )
+    if args.endpoint:
+        from localllm.server.remote import RemoteEngine
+
+        engine: Any = RemoteEngine(args.endpoint, api_key=args.api_key, model=args.model)
+    else:
+        from localllm.commands import _progress_printer
+        from localllm.engine.async_engine import AsyncEngine
+        from localllm.engine.engine import EngineConfig, LLMEngine
+
+        config = EngineConfig(
+            model=args.model, dtype=args.dtype, device=args.device, quant=args.quant,
+            max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
+            max_num_seqs=max(max(args.chats), 1),
+        )
+        engine = AsyncEngine(LLMEngine(config, progress=_progress_printer()))
+
+    async def go() -> dict[str, Any]:
+        try:
+            return await run_bench(engine, opts)
+        finally:
+            if hasattr(engine, "aclose"):
+                await engine.aclose()
+
+    try:
+        report = asyncio.run(go())
+    finally:
+        engine.shutdown()
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0

@@ -1,0 +1,629 @@
+"""``localllm serve``: an OpenAI-compatible HTTP API on one ``AsyncEngine``.
+
+Every client's request goes into the same engine, so concurrent clients are continuously
+batched together. Requests are validated in full before anything is generated (see
+``protocol``); once a stream has started, an engine error arrives as an SSE ``error`` event,
+as vLLM sends it. A client that disconnects aborts its requests, which frees their KV blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import json
+import socket
+import sys
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from localllm.engine.async_engine import AsyncEngine
+from localllm.engine.engine import RequestOutput
+from localllm.engine.sequence import SamplingParams
+from localllm.errors import LocalLLMError
+from localllm.server.protocol import (
+    SEED_MAX,
+    SEED_MIN,
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    GenerationRequest,
+    context_length_error,
+    parse_chat,
+    parse_completion,
+)
+
+MAX_BODY_BYTES = 4 * 2**20
+# A client whose body is over the limit is still read up to this much, so that it gets the
+# 413 answer instead of a reset connection while it is still uploading.
+DRAIN_BYTES = 64 * 2**20
+OPEN_PATHS = frozenset({"/health"})
+
+Job = tuple[list[int], SamplingParams, str]  # prompt ids, params, request id
+
+
+class _ClientGone(Exception):
+    pass
+
+
+# ---- the engine side ----
+
+@dataclass(slots=True)
+class _State:
+    engine: AsyncEngine
+    model: str
+    context_limit: int
+    created: int
+    token_text: Callable[[int], str]
+
+
+def _make_state(engine: AsyncEngine, model_name: str | None) -> _State:
+    llm = engine.engine
+    bm = llm.block_manager
+    tokenizer = engine.tokenizer
+
+    @lru_cache(maxsize=65536)
+    def token_text(token_id: int) -> str:
+        return tokenizer.decode([token_id], skip_special_tokens=False)
+
+    return _State(engine, model_name or llm.model_name, min(llm.max_model_len, bm.num_blocks * bm.block_size),
+                  int(time.time()), token_text)
+
+
+def _fan_in(engine: AsyncEngine, jobs: list[Job]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The outputs of several requests as one stream of (job index, output). Closing or
+    cancelling the stream aborts every request still running."""
+    if len(jobs) == 1:
+        return _single(engine, jobs[0])
+    return _many(engine, jobs)
+
+
+async def _single(engine: AsyncEngine, job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async for out in engine.generate(*job):
+        yield 0, out
+
+
+async def _many(engine: AsyncEngine, jobs: list[Job]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(k: int, job: Job) -> None:
+        try:
+            async for out in engine.generate(*job):
+                queue.put_nowait((k, out))
+            queue.put_nowait((k, None))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, which picks the status
+            queue.put_nowait((k, e))
+
+    tasks = [asyncio.create_task(pump(k, job)) for k, job in enumerate(jobs)]
+    try:
+        remaining = len(jobs)
+        while remaining:
+            k, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield k, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _prompt_ids(state: _State, prompt: str | list[int] | list[dict[str, str]]) -> list[int]:
+    tokenizer = state.engine.tokenizer
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        vocab = tokenizer.vocab_size
+        bad = next((t for t in prompt if t >= vocab), None)  # type: ignore[operator]
+        if bad is not None:
+            raise APIError(400, f"'prompt': token id {bad} is outside the vocabulary (size {vocab})",
+                           param="prompt", code="invalid_value")
+        return list(prompt)  # type: ignore[arg-type]
+    try:
+        # a long prompt takes milliseconds to tokenize: keep it off the event loop that streams
+        if isinstance(prompt, str):
+            return await asyncio.to_thread(tokenizer.encode, prompt)
+        return await asyncio.to_thread(tokenizer.encode_chat, prompt)  # type: ignore[arg-type]
+    except LocalLLMError as e:
+        raise APIError(400, str(e), param="messages" if isinstance(prompt, list) else "prompt") from None
+
+
+def _jobs(state: _State, req: GenerationRequest, prompts: list[list[int]], param: str, base_id: str) -> list[Job]:
+    jobs: list[Job] = []
+    for p, ids in enumerate(prompts):
+        if not ids:
+            raise APIError(400, f"'{param}': the prompt is empty", param=param, code="invalid_value")
+        if len(ids) >= state.context_limit or (
+            req.max_tokens is not None and len(ids) + req.max_tokens > state.context_limit
+        ):
+            raise context_length_error(state.context_limit, len(ids), req.max_tokens, param)
+        for i in range(req.n):
+            kw = dict(req.sampling)
+            if kw["seed"] is not None and i:  # choice i gets seed + i, so choices differ reproducibly
+                kw["seed"] = SEED_MIN + (kw["seed"] + i - SEED_MIN) % (SEED_MAX - SEED_MIN + 1)
+            try:
+                params = SamplingParams(**kw)
+            except LocalLLMError as e:
+                raise APIError(422, str(e), code="invalid_value") from None
+            jobs.append((ids, params, f"{base_id}-{p * req.n + i}"))
+    return jobs
+
+
+def _usage(prompts: list[list[int]], n: int, finals: list[RequestOutput | None]) -> dict[str, Any]:
+    completion = sum(len(o.outputs[0].token_ids) for o in finals if o is not None)
+    # a prompt counts once however many choices it has, as OpenAI bills it
+    prompt = sum(len(ids) for ids in prompts)
+    cached = sum((finals[p * n].num_cached_tokens if finals[p * n] is not None else 0)  # type: ignore[union-attr]
+                 for p in range(len(prompts)))
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _engine_error(e: BaseException) -> APIError:
+    if isinstance(e, LocalLLMError):
+        return APIError(400, str(e))
+    return APIError(500, f"engine error: {type(e).__name__}: {e}", type_="server_error", code="engine_error")
+
+
+# ---- logprobs in OpenAI's two shapes ----
+
+def _chat_logprobs(state: _State, out: RequestOutput, start: int, end: int, top: int) -> dict[str, Any] | None:
+    c = out.outputs[0]
+    if c.logprobs is None:
+        return None
+    content = []
+    for token_id, lps in zip(c.token_ids[start:end], c.logprobs[start:end]):
+        text = state.token_text(token_id)
+        ranked = sorted(lps.items(), key=lambda kv: -kv[1])[:top]
+        content.append({
+            "token": text, "logprob": lps[token_id], "bytes": list(text.encode()),
+            "top_logprobs": [{"token": state.token_text(t), "logprob": lp,
+                              "bytes": list(state.token_text(t).encode())} for t, lp in ranked],
+        })
+    return {"content": content}
+
+
+def _completion_logprobs(
+    state: _State, out: RequestOutput, start: int, end: int, top: int, offset: int,
+) -> dict[str, Any] | None:
+    c = out.outputs[0]
+    if c.logprobs is None:
+        return None
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    for token_id, lps in zip(c.token_ids[start:end], c.logprobs[start:end]):
+        text = state.token_text(token_id)
+        tokens.append(text)
+        token_logprobs.append(lps[token_id])
+        tops.append({state.token_text(t): lp for t, lp in sorted(lps.items(), key=lambda kv: -kv[1])[:top]})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+# ---- HTTP plumbing ----
+
+async def _read_json(request: Request, limit: int) -> Any:
+    """The body as JSON, refusing bodies over ``limit`` bytes before parsing anything."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            size = int(declared)
+        except ValueError:
+            raise APIError(400, "the Content-Length header is not a number") from None
+        if size > limit:
+            if size <= DRAIN_BYTES:
+                async for _ in request.stream():
+                    pass
+            raise APIError(413, f"the request body is {size} bytes; the limit is {limit}", code="request_too_large")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            if size <= DRAIN_BYTES:
+                async for more in request.stream():
+                    size += len(more)
+                    if size > DRAIN_BYTES:
+                        break
+            raise APIError(413, f"the request body is over the limit of {limit} bytes", code="request_too_large")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        raise APIError(400, "the request body is empty; send a JSON object")
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as e:  # ValueError covers bad JSON and bad UTF-8
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _unless_disconnected(receive: Receive, work: Awaitable[Any]) -> Any:
+    """Runs ``work`` and returns its result; cancels it (aborting its requests) and raises
+    ``_ClientGone`` if the client hangs up first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(receive))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, watcher):
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    if task in done:
+        return task.result()
+    raise _ClientGone()
+
+
+def _sse(data: Any) -> bytes:
+    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+
+class _EventStream:
+    """A text/event-stream response that notices a client going away.
+
+    The ASGI server reports a hang-up as ``http.disconnect`` on ``receive``; one task watches
+    for it while another streams, and the watcher cancels the streamer, which closes the event
+    generator and so aborts the engine requests behind it. This does not depend on the server
+    raising on ``send`` to a closed socket, which uvicorn does not do."""
+
+    def __init__(self, events: AsyncIterator[bytes]) -> None:
+        self.events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def stream() -> None:
+            await send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                (b"x-accel-buffering", b"no"),
+            ]})
+            async for chunk in self.events:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        streamer = asyncio.ensure_future(stream())
+        watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            await asyncio.wait({streamer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (streamer, watcher):
+                if not t.done():
+                    t.cancel()
+            await asyncio.gather(streamer, watcher, return_exceptions=True)
+            await self.events.aclose()  # type: ignore[attr-defined]
+
+
+class _BearerAuth:
+    """Requires ``Authorization: Bearer <key>`` on every route but the open ones."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            header = b""
+            for name, value in scope["headers"]:
+                if name == b"authorization":
+                    header = value
+            scheme, _, token = header.partition(b" ")
+            # compare_digest: the time taken must not reveal how much of a guess was right
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+                error = APIError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'",
+                                 code="invalid_api_key")
+                response = JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+# ---- routes ----
+
+def create_app(
+    engine: AsyncEngine, *, model_name: str | None = None, api_key: str | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+) -> Starlette:
+    """The ASGI app. ``engine`` must be running (its thread started); the app never stops it."""
+    state = _make_state(engine, model_name)
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok", "model": state.model})
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{
+            "id": state.model, "object": "model", "created": state.created, "owned_by": "localllm",
+            "max_model_len": state.context_limit,
+        }]})
+
+    async def metrics(request: Request) -> Response:
+        # Prometheus text, so that bench and scrapers read KV use the way they read vLLM's
+        s = engine.stats()
+        rows = [
+            ("num_requests_running", "gauge", s.num_running), ("num_requests_waiting", "gauge", s.num_waiting),
+            ("batch_size", "gauge", s.batch_size), ("max_batch_size_seen", "gauge", s.max_batch_size_seen),
+            ("kv_cache_usage_perc", "gauge", round(s.kv_usage, 6)), ("kv_blocks_total", "gauge", s.kv_blocks_total),
+            ("kv_blocks_used", "gauge", s.kv_blocks_used), ("kv_blocks_cached", "gauge", s.kv_blocks_cached),
+            ("generation_tokens_per_s", "gauge", round(s.generation_tokens_per_s, 3)),
+            ("num_preemptions_total", "counter", s.num_preemptions),
+            ("prefix_cache_hit_tokens_total", "counter", s.prefix_cache_hit_tokens),
+            ("prompt_tokens_total", "counter", s.prompt_tokens),
+        ]
+        text = "".join(f"# TYPE localllm:{n} {t}\nlocalllm:{n}{{model_name=\"{state.model}\"}} {v}\n"
+                       for n, t, v in rows)
+        return Response(text, media_type="text/plain; version=0.0.4")
+
+    async def chat_completions(request: Request) -> Response:
+        req = parse_chat(await _read_json(request, max_body_bytes))
+        ids = await _prompt_ids(state, req.messages)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        jobs = _jobs(state, req, [ids], "messages", rid)
+        if req.stream:
+            return _EventStream(_chat_stream(state, req, [ids], jobs, rid))  # type: ignore[return-value]
+        finals = await _finals(request, state, jobs)
+        choices = []
+        for k, out in enumerate(finals):
+            assert out is not None
+            c = out.outputs[0]
+            choices.append({
+                "index": k, "message": {"role": "assistant", "content": c.text},
+                "logprobs": _chat_logprobs(state, out, 0, len(c.token_ids), req.top_logprobs) if req.logprobs else None,
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+            })
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()),
+                             "model": state.model, "choices": choices, "usage": _usage([ids], req.n, finals)})
+
+    async def completions(request: Request) -> Response:
+        req = parse_completion(await _read_json(request, max_body_bytes))
+        prompts = [await _prompt_ids(state, p) for p in req.prompts]
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        jobs = _jobs(state, req, prompts, "prompt", rid)
+        if req.stream:
+            return _EventStream(_completion_stream(state, req, prompts, jobs, rid))  # type: ignore[return-value]
+        finals = await _finals(request, state, jobs)
+        choices = []
+        for k, out in enumerate(finals):
+            assert out is not None
+            c = out.outputs[0]
+            lp = None if req.logprobs is None else _completion_logprobs(state, out, 0, len(c.token_ids),
+                                                                          req.logprobs, 0)
+            choices.append({"index": k, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason,
+                            "stop_reason": c.stop_reason})
+        return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()),
+                             "model": state.model, "choices": choices, "usage": _usage(prompts, req.n, finals)})
+
+    async def api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, APIError)
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        return JSONResponse(APIError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
+
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        # a bug of ours: answer in the API's shape; uvicorn logs the traceback server-side
+        error = APIError(500, f"internal error: {type(exc).__name__}", type_="server_error")
+        return JSONResponse(error.body(), status_code=500)
+
+    middleware = [Middleware(_BearerAuth, api_key=api_key)] if api_key else []
+    return Starlette(
+        routes=[
+            Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+        ],
+        middleware=middleware,
+        exception_handlers={APIError: api_error, HTTPException: http_error, Exception: internal_error},
+    )
+
+
+async def _finals(request: Request, state: _State, jobs: list[Job]) -> list[RequestOutput | None]:
+    finals: list[RequestOutput | None] = [None] * len(jobs)
+
+    async def run() -> None:
+        stream = _fan_in(state.engine, jobs)
+        try:
+            async for k, out in stream:
+                if out.finished:
+                    finals[k] = out
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+
+    try:
+        await _unless_disconnected(request.receive, run())
+    except _ClientGone:
+        raise APIError(499, "client closed the request") from None
+    except APIError:
+        raise
+    except Exception as e:  # noqa: BLE001 - an engine failure becomes an HTTP error, not a 500 page
+        raise _engine_error(e) from None
+    return finals
+
+
+async def _chat_stream(
+    state: _State, req: ChatRequest, prompts: list[list[int]], jobs: list[Job], rid: str,
+) -> AsyncIterator[bytes]:
+    created = int(time.time())
+    base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model}
+    extra = {"usage": None} if req.include_usage else {}
+    for k in range(len(jobs)):
+        yield _sse({**base, "choices": [{"index": k, "delta": {"role": "assistant", "content": ""},
+                                         "logprobs": None, "finish_reason": None}], **extra})
+    sent_tokens = [0] * len(jobs)  # tokens already covered by a chunk, for the logprobs slices
+    finals: list[RequestOutput | None] = [None] * len(jobs)
+    stream = _fan_in(state.engine, jobs)
+    try:
+        async for k, out in stream:
+            c = out.outputs[0]
+            if out.finished:
+                finals[k] = out
+            elif not c.delta_text:
+                continue  # text held back (a possible stop string): nothing to send yet
+            end = len(c.token_ids)
+            choice = {
+                "index": k, "delta": {"content": c.delta_text} if c.delta_text else {},
+                "logprobs": _chat_logprobs(state, out, sent_tokens[k], end, req.top_logprobs)
+                if req.logprobs else None,
+                "finish_reason": c.finish_reason if out.finished else None,
+            }
+            if out.finished:
+                choice["stop_reason"] = c.stop_reason
+            sent_tokens[k] = end
+            yield _sse({**base, "choices": [choice], **extra})
+        if req.include_usage:
+            yield _sse({**base, "choices": [], "usage": _usage(prompts, req.n, finals)})
+    except Exception as e:  # noqa: BLE001 - headers are sent: report it in-band, as vLLM does
+        yield _sse(_engine_error(e).body())
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]
+    yield b"data: [DONE]\n\n"
+
+
+async def _completion_stream(
+    state: _State, req: CompletionRequest, prompts: list[list[int]], jobs: list[Job], rid: str,
+) -> AsyncIterator[bytes]:
+    created = int(time.time())
+    base = {"id": rid, "object": "text_completion", "created": created, "model": state.model}
+    extra = {"usage": None} if req.include_usage else {}
+    sent_tokens = [0] * len(jobs)
+    sent_chars = [0] * len(jobs)
+    finals: list[RequestOutput | None] = [None] * len(jobs)
+    stream = _fan_in(state.engine, jobs)
+    try:
+        async for k, out in stream:
+            c = out.outputs[0]
+            if out.finished:
+                finals[k] = out
+            elif not c.delta_text:
+                continue
+            end = len(c.token_ids)
+            lp = None if req.logprobs is None else _completion_logprobs(
+                state, out, sent_tokens[k], end, req.logprobs, sent_chars[k])
+            choice = {"index": k, "text": c.delta_text, "logprobs": lp,
+                      "finish_reason": c.finish_reason if out.finished else None}
+            if out.finished:
+                choice["stop_reason"] = c.stop_reason
+            sent_tokens[k] = end
+            sent_chars[k] += len(c.delta_text)
+            yield _sse({**base, "choices": [choice], **extra})
+        if req.include_usage:
+            yield _sse({**base, "choices": [], "usage": _usage(prompts, req.n, finals)})
+    except Exception as e:  # noqa: BLE001 - headers are sent: report it in-band, as vLLM does
+        yield _sse(_engine_error(e).body())
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]
+    yield b"data: [DONE]\n\n"
+
+
+# ---- running it ----
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Binds before the model loads, so a busy port fails in a second, not after the load."""
+    if not 0 <= port <= 65535:
+        raise LocalLLMError(f"--port {port}: must be in 0..65535")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as e:
+        raise LocalLLMError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+
+def _uvicorn(app: ASGIApp) -> uvicorn.Server:
+    config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5)
+    return uvicorn.Server(config)
+
+
+@dataclass(slots=True)
+class RunningServer:
+    """A server on a background thread (tests, bench self-checks). ``url`` has no /v1."""
+
+    url: str
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+
+
+def start_server_thread(app: ASGIApp, host: str = "127.0.0.1", port: int = 0) -> RunningServer:
+    sock = bind_socket(host, port)
+    server = _uvicorn(app)
+    # uvicorn installs signal handlers only on the main thread, so this one leaves them alone
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), name="localllm-http",
+                              daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the HTTP server did not start")
+        time.sleep(0.01)
+    return RunningServer(_url(sock), server, thread)
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    from localllm.commands import _progress_printer, engine_config_from_args
+    from localllm.engine.engine import LLMEngine
+
+    sock = bind_socket(args.host, args.port)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        print(f"localllm: warning: serving on {args.host} without --api-key: anyone who can reach this "
+              "port can use the model", file=sys.stderr)
+    overrides: dict[str, Any] = {"chats": args.chats}
+    if args.max_num_seqs:
+        overrides["max_num_seqs"] = args.max_num_seqs
+    llm = LLMEngine(engine_config_from_args(args, **overrides), progress=_progress_printer())
+    engine = AsyncEngine(llm)
+    try:
+        server = _uvicorn(create_app(engine, model_name=args.served_model_name, api_key=args.api_key))
+
+        async def announce() -> None:
+            while not server.started:
+                if server.should_exit:
+                    return
+                await asyncio.sleep(0.02)
+            auth = ", API key required" if args.api_key else ""
+            print(f"localllm: serving {args.served_model_name or llm.model_name} at {_url(sock)}/v1 "
+                  f"(OpenAI-compatible{auth}; Ctrl+C stops)", flush=True)
+
+        async def main() -> None:
+            task = asyncio.create_task(announce())
+            await server.serve(sockets=[sock])
+            task.cancel()
+
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+        sock.close()
+    return 0

@@ -1,0 +1,28 @@
+"""``localllm serve``: parsing only; the server module (and torch) load when it runs."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+
+def register(sub: Any) -> None:
+    from localllm.cli import _add_engine_args, _add_model_arg, _lazy
+
+    p: argparse.ArgumentParser = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions) on the local engine",
+    )
+    _add_model_arg(p)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 exposes it)")
+    p.add_argument("--port", type=int, default=8000, help="default 8000; 0 picks a free port")
+    p.add_argument("--api-key", default=os.environ.get("LOCALLLM_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every route but /health "
+                        "(default: $LOCALLLM_API_KEY)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients see (default: the model's name)")
+    p.add_argument("--chats", type=int, default=4,
+                   help="concurrent long chats to size the KV cache for (default 4; short requests share it)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="most sequences per step (default: the plan's)")
+    _add_engine_args(p)
+    p.set_defaults(func=_lazy("localllm.server.app:serve_command"))

@@ -1,0 +1,169 @@
+"""The chat's building blocks: the prompt, the scrolling message list, one message, the status bar."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.text import Text
+from textual import events
+from textual.binding import Binding
+from textual.containers import Vertical, VerticalScroll
+from textual.message import Message
+from textual.widget import Widget
+from textual.widgets import Label, Markdown, Static, TextArea
+from textual.widgets.markdown import MarkdownFence, MarkdownStream
+
+NEAR_BOTTOM_ROWS = 2  # follow new text only when the view is this close to the end (oterm's rule)
+
+
+class PromptArea(TextArea):
+    """Multi-line input. Enter sends; shift+enter or ctrl+j inserts a newline. Many terminals
+    send shift+enter as plain enter, so ctrl+j is the newline key that always arrives."""
+
+    # Not priority bindings: those run when the app *receives* a key, ahead of the keys still
+    # queued for this widget, so a fast typist's (or a paste's) trailing enter sent only the
+    # first characters. Ordinary bindings run in order; _on_key below lets them see enter.
+    BINDINGS = [
+        Binding("enter", "submit", "Send", id="chat.send"),
+        Binding("shift+enter,ctrl+j", "newline", "Newline", id="chat.newline", show=False),
+    ]
+
+    class Submitted(Message):
+        def __init__(self, prompt: PromptArea, text: str) -> None:
+            super().__init__()
+            self.prompt = prompt
+            self.text = text
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(soft_wrap=True, show_line_numbers=False, tab_behavior="focus", **kwargs)
+
+    async def _on_key(self, event: events.Key) -> None:
+        # TextArea inserts a newline for enter and swallows the key. When enter (or whatever the
+        # keymap put there) is bound to send or newline on this widget, let the key bubble to
+        # the binding check instead.
+        active = self.screen.active_bindings.get(event.key)
+        if active is not None and active.node is self and active.binding.action in ("submit", "newline"):
+            event.prevent_default()  # skips TextArea._on_key; bubbling resets it for the bindings
+
+    def action_submit(self) -> None:
+        self.post_message(self.Submitted(self, self.text))
+
+    def action_newline(self) -> None:
+        self.insert("\n")
+
+
+class MessageList(VerticalScroll):
+    """Keeps ``follow`` true while the user is at (or near) the bottom; new text scrolls the
+    view only then, so reading back through a long reply is never yanked away."""
+
+    can_focus = False
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.follow = True
+
+    def watch_scroll_y(self, old_value: float, new_value: float) -> None:
+        super().watch_scroll_y(old_value, new_value)
+        # Growing content never moves scroll_y, so any change here is a scroll (ours or the
+        # user's), and where it lands decides whether we keep following.
+        self.follow = self.max_scroll_y - new_value <= NEAR_BOTTOM_ROWS
+
+    def near_bottom(self) -> bool:
+        return self.follow or self.max_scroll_y - self.scroll_y <= NEAR_BOTTOM_ROWS
+
+    def follow_end(self) -> None:
+        if self.follow:
+            self.scroll_end(animate=False)
+
+
+class MessageView(Vertical):
+    """One message. Assistant replies are Markdown (streamed, then rendered once in full);
+    user messages are plain text, so their asterisks and underscores stay as typed.
+    A click copies the message, or just the code block under the pointer."""
+
+    class CopyRequested(Message):
+        def __init__(self, text: str, what: str) -> None:
+            super().__init__()
+            self.text = text
+            self.what = what
+
+    def __init__(
+        self, role: str, content: str, *, finish_reason: str | None = None, meta: dict[str, Any] | None = None,
+        message_id: int | None = None,
+    ) -> None:
+        super().__init__(classes=f"message {role}")
+        self.role = role
+        self.content = content
+        self.finish_reason = finish_reason
+        self.meta = dict(meta or {})
+        self.message_id = message_id
+        self._stream: MarkdownStream | None = None
+
+    def compose(self) -> Any:
+        yield Label(self._header(), classes="header")
+        if self.role == "assistant":
+            yield Markdown(self.content, classes="body")
+        else:
+            yield Static(Text(self.content), classes="body")
+
+    def _header(self) -> Text:
+        names = {"user": "You", "assistant": "Assistant", "error": "Error", "note": "Note"}
+        header = Text(names.get(self.role, self.role), style="bold")
+        bits = []
+        if self.role == "assistant":
+            if self.finish_reason == "abort":
+                bits.append("stopped")
+            elif self.finish_reason == "length":
+                bits.append("cut at max tokens")
+            elif self.finish_reason == "error":
+                bits.append("failed")
+            elif self.finish_reason is None and self._stream is not None:
+                bits.append("…")
+            if self.meta.get("tok_s"):
+                bits.append(f"{self.meta['tok_s']:.1f} tok/s")
+            if self.meta.get("cached_tokens"):
+                bits.append(f"{self.meta['cached_tokens']} cached")
+        if bits:
+            header.append("  " + " · ".join(bits), style="dim")
+        return header
+
+    @property
+    def markdown(self) -> Markdown:
+        return self.query_one(Markdown)
+
+    def stream(self) -> MarkdownStream:
+        if self._stream is None:
+            self._stream = Markdown.get_stream(self.markdown)
+            self.refresh_header()
+        return self._stream
+
+    def refresh_header(self) -> None:
+        if self.is_mounted:
+            self.query_one(".header", Label).update(self._header())
+
+    async def finish(self, content: str, finish_reason: str | None, meta: dict[str, Any] | None = None) -> None:
+        """Stops the stream and renders the whole reply once: appends can leave a code fence
+        or a list half-parsed, a full render cannot."""
+        self.content = content
+        self.finish_reason = finish_reason
+        if meta:
+            self.meta.update(meta)
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            await stream.stop()
+        if self.role == "assistant":
+            await self.markdown.update(content)
+        self.refresh_header()
+
+    def on_click(self, event: events.Click) -> None:
+        node: Widget | None = event.widget
+        while node is not None and node is not self:
+            if isinstance(node, MarkdownFence):
+                self.post_message(self.CopyRequested(node.code, "code block"))
+                return
+            node = node.parent if isinstance(node.parent, Widget) else None
+        self.post_message(self.CopyRequested(self.content, "message"))
+
+
+class StatusBar(Static):
+    """One line: model, precision and device, then this tab's speed and the engine's state."""

@@ -1,0 +1,142 @@
+"""The chat app against the real engine on the default model (fp32, loaded once for the module).
+
+Replies are short and greedy, so the module stays well under a minute of generation."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from localllm.history import History
+from localllm.tui.app import ChatApp
+from tests.tui.conftest import send, wait_until
+
+SIZE = (100, 30)
+SHORT = {"temperature": 0.0, "max_tokens": 8}
+# ignore_eos keeps a reply going for as long as a test needs it to.
+LONG = {"temperature": 0.0, "max_tokens": 200, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def engine(default_model_path: Path):
+    from localllm.engine.async_engine import AsyncEngine
+    from localllm.engine.engine import EngineConfig, LLMEngine
+
+    # A small KV pool: plenty for these chats, and a cheap allocation.
+    llm = LLMEngine(EngineConfig(model=str(default_model_path), dtype="float32", device="cpu", num_kv_blocks=256))
+    eng = AsyncEngine(llm)
+    yield eng
+    eng.shutdown()
+
+
+def _all_blocks_free(engine) -> bool:
+    bm = engine.engine.block_manager
+    return not engine.engine.requests and bm.num_free_blocks == bm.num_blocks
+
+
+async def test_two_tabs_stream_at_once_in_one_batch(engine):
+    app = ChatApp(engine, probe=False, default_params={"temperature": 0.0, "max_tokens": 40, "ignore_eos": True})
+    async with app.run_test(size=SIZE) as pilot:
+        first = app.active_chat
+        await send(pilot, first, "Tell me a story about a cat.")
+        await pilot.press("ctrl+t")
+        await wait_until(pilot, lambda: len(app.chats()) == 2, what="a second tab")
+        second = app.active_chat
+        assert second is not first
+        await send(pilot, second, "Tell me a story about a dog.")
+
+        batch_seen, status_batch_2 = 0, False
+        deadline = time.monotonic() + 90
+        while (first.generating or second.generating) and time.monotonic() < deadline:
+            stats = engine.stats()
+            if stats.num_running:
+                batch_seen = max(batch_seen, stats.batch_size)
+            status_batch_2 |= "batch 2" in app.status_text().plain
+            await pilot.pause(0.05)
+        assert not first.generating and not second.generating
+        assert batch_seen >= 2, f"the two tabs never ran in one engine step (largest batch {batch_seen})"
+        assert status_batch_2, "the status bar never showed the two tabs batched together"
+        for chat in (first, second):
+            assert [t.role for t in chat.turns] == ["user", "assistant"]
+            assert chat.turns[-1].content and chat.turns[-1].finish_reason == "length"
+        assert _all_blocks_free(engine)
+
+
+async def test_escape_stops_and_keeps_the_partial_reply(engine, home):
+    app = ChatApp(engine, probe=False, default_params=LONG)
+    async with app.run_test(size=SIZE) as pilot:
+        chat = app.active_chat
+        await send(pilot, chat, "Count from one to one hundred.")
+        await wait_until(pilot, lambda: chat.reply is not None and len(chat.reply.text) > 5, what="some text")
+        await pilot.press("escape")
+        await wait_until(pilot, lambda: not chat.generating, timeout=10, what="the stop")
+        last = chat.turns[-1]
+        assert last.role == "assistant" and last.finish_reason == "abort" and last.content
+        assert last.meta["tokens"] < LONG["max_tokens"]
+        await wait_until(pilot, lambda: _all_blocks_free(engine), timeout=10, what="the KV blocks to be freed")
+        view = chat.messages.children[-1]
+        assert view.content == last.content and view.finish_reason == "abort"
+        stored = History(home / "data" / "history.sqlite3").messages(chat.conversation.id)
+        assert [(m.role, m.finish_reason) for m in stored] == [("user", None), ("assistant", "abort")]
+        assert stored[-1].content == last.content
+
+
+async def test_closing_a_tab_aborts_its_request_and_frees_its_blocks(engine, home):
+    app = ChatApp(engine, probe=False, default_params=LONG)
+    async with app.run_test(size=SIZE) as pilot:
+        chat = app.active_chat
+        await send(pilot, chat, "Write a long poem about the sea.")
+        await wait_until(pilot, lambda: chat.reply is not None and chat.reply.text, what="the reply to stream")
+        assert engine.engine.requests
+        await pilot.press("ctrl+w")
+        await wait_until(pilot, lambda: chat not in app.chats(), timeout=10, what="the tab to close")
+        await wait_until(pilot, lambda: _all_blocks_free(engine), timeout=10, what="the KV blocks to be freed")
+        assert len(app.chats()) == 1 and app.active_chat is not chat  # a fresh tab replaces the last one
+        stored = History(home / "data" / "history.sqlite3").messages(chat.conversation.id)
+        assert stored[-1].role == "assistant" and stored[-1].finish_reason == "abort" and stored[-1].content
+
+
+async def test_history_survives_a_restart_and_the_second_turn_hits_the_prefix_cache(engine, home):
+    app = ChatApp(engine, probe=False, default_params=SHORT)
+    async with app.run_test(size=SIZE) as pilot:
+        chat = app.active_chat
+        await send(pilot, chat, "What is the capital of France?")
+        await wait_until(pilot, lambda: not chat.generating, what="the first reply")
+        await send(pilot, chat, "And of Italy?")
+        await wait_until(pilot, lambda: not chat.generating, what="the second reply")
+        # The second prompt starts with the first turn, whose KV blocks are still cached.
+        assert chat.last_cached_tokens > 0
+        hit = re.search(r"prefix hit (\d+) tok", app.status_text().plain)
+        assert hit and int(hit.group(1)) == chat.last_cached_tokens
+        before = [(t.role, t.content) for t in chat.turns]
+        title = chat.title
+
+    restarted = ChatApp(engine, probe=False, default_params=SHORT)
+    async with restarted.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        chats = restarted.chats()
+        assert len(chats) == 1
+        again = chats[0]
+        assert again.title == title
+        assert [(t.role, t.content) for t in again.turns] == before
+        shown = [v.content for v in again.messages.children]
+        assert shown == [c for _, c in before]
+
+
+async def test_an_error_stays_in_its_tab(engine):
+    app = ChatApp(engine, probe=False, default_params=SHORT)
+    async with app.run_test(size=SIZE) as pilot:
+        broken = app.active_chat
+        await send(pilot, broken, "word " * 5000)  # longer than the context
+        await wait_until(pilot, lambda: not broken.generating, what="the error")
+        errors = broken.messages.query(".error")
+        assert errors and "context limit" in errors.first().content
+        await pilot.press("ctrl+t")
+        await wait_until(pilot, lambda: len(app.chats()) == 2)
+        fine = app.active_chat
+        await send(pilot, fine, "Hi!")
+        await wait_until(pilot, lambda: not fine.generating, what="the reply")
+        assert fine.turns[-1].role == "assistant" and fine.turns[-1].content

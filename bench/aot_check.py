@@ -72,7 +72,7 @@ def attention_cases(arch: int) -> Iterator[Case]:
     ptrs = {"out_ptr": "*bf16", "q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
             "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "qsl_ptr": "*i32", "part_out_ptr": "*fp32",
             "part_lse_ptr": "*fp32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "qk_scale": "fp32"}  # fmt: skip
-    big = arch >= 90 or arch == 80
+    # The same tiles paged_attention._tile_config picks for this architecture.
     for head_dim, qpkv in ((128, 4), (128, 8), (80, 3), (64, 1), (96, 4)):
         block_d = triton.next_power_of_2(head_dim)
         rows = max(16, triton.next_power_of_2(qpkv))
@@ -80,21 +80,21 @@ def attention_cases(arch: int) -> Iterator[Case]:
         for splits in (1, 16):
             yield (f"decode D{head_dim} qpkv{qpkv} splits{splits}", fn, ptrs,
                    dict(base, BLOCK_M=rows, BLOCK_Q=1, TILE_N=64, NUM_SPLITS=splits, IS_DECODE=True, FP8_KV=False),
-                   {"num_warps": 4, "num_stages": 3 if big else 2})  # fmt: skip
-        bm = max(rows, 128 if big else 64)
+                   {"num_warps": 4, "num_stages": 3})  # fmt: skip
+        bm = max(rows, 128)
         yield (f"prefill D{head_dim} qpkv{qpkv} BLOCK_M{bm}", fn, ptrs,
                dict(base, BLOCK_M=bm, BLOCK_Q=bm // qpkv, TILE_N=64, NUM_SPLITS=1, IS_DECODE=False, FP8_KV=False),
-               {"num_warps": 8 if big else 4, "num_stages": 2})  # fmt: skip
+               {"num_warps": 8, "num_stages": 2})  # fmt: skip
     if arch >= 89:
         fp8 = dict(ptrs, k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv")
         base = dict(QPKV=4, HEAD_D=128, BLOCK_D=128, KV_BLOCK_SIZE=16, DOT_FP32=False, FP8_KV=True)
         yield ("decode fp8 KV splits16", fn, fp8,
                dict(base, BLOCK_M=16, BLOCK_Q=1, TILE_N=64, NUM_SPLITS=16, IS_DECODE=True),
                {"num_warps": 4, "num_stages": 3})  # fmt: skip
+        bm = 128 if arch >= 90 else 64
         yield ("prefill fp8 KV", fn, fp8,
-               dict(base, BLOCK_M=128 if big else 64, BLOCK_Q=(128 if big else 64) // 4, TILE_N=64, NUM_SPLITS=1,
-                    IS_DECODE=False),
-               {"num_warps": 8 if big else 4, "num_stages": 2})  # fmt: skip
+               dict(base, BLOCK_M=bm, BLOCK_Q=bm // 4, TILE_N=64, NUM_SPLITS=1, IS_DECODE=False),
+               {"num_warps": 8, "num_stages": 2})  # fmt: skip
     yield ("fp32 ieee (tests)", fn, dict(ptrs, out_ptr="*fp32", q_ptr="*fp32", k_cache_ptr="*fp32", v_cache_ptr="*fp32"),
            dict(QPKV=4, HEAD_D=64, BLOCK_D=64, KV_BLOCK_SIZE=16, DOT_FP32=True, BLOCK_M=16, BLOCK_Q=4, TILE_N=16,
                 NUM_SPLITS=1, IS_DECODE=False, FP8_KV=False), {"num_warps": 4, "num_stages": 1})  # fmt: skip
@@ -130,6 +130,8 @@ def gemm_cases(arch: int) -> Iterator[Case]:
                 "out_ptr": f"*{act}", "ws_ptr": "*fp32", "locks_ptr": "*i32"}  # fmt: skip
         for cfgs, label in ((awq_gemm._GEMV_CONFIGS, "gemv"), (awq_gemm._GEMM_CONFIGS, "gemm")):
             for i, c in enumerate(cfgs):
+                if arch < 90 and c.hopper_only:
+                    continue
                 for group in (128, 32) if (act == "fp16" and label == "gemv") else (128,):
                     yield (f"awq {act} {label}[{i}] g{group} {c.kwargs}", awq, ptrs,
                            dict(c.kwargs, GROUP_SIZE=group, FP16_MAGIC=True, USE_ASM=True, DOT_FP32=False, EVEN_K=True),
@@ -140,6 +142,8 @@ def gemm_cases(arch: int) -> Iterator[Case]:
                 "out_ptr": f"*{act}", "ws_ptr": "*i32" if a8 else "*fp32", "locks_ptr": "*i32"}  # fmt: skip
         for cfgs, label in ((int8_gemm._GEMV_CONFIGS, "gemv"), (int8_gemm._GEMM_CONFIGS, "gemm")):
             for i, c in enumerate(cfgs):
+                if arch < 90 and c.hopper_only:
+                    continue
                 yield (f"int8 {'w8a8' if a8 else 'w8a16'} {act} {label}[{i}] {c.kwargs}", i8, ptrs,
                        dict(c.kwargs, A8=a8, FP16_MAGIC=not a8 and act == "fp16", USE_ASM=True, DOT_FP32=False, EVEN_K=True),
                        {"num_warps": c.num_warps, "num_stages": c.num_stages})  # fmt: skip
@@ -151,8 +155,8 @@ def gemm_cases(arch: int) -> Iterator[Case]:
                 "out_ptr": "*bf16", "ws_ptr": "*fp32", "locks_ptr": "*i32"}  # fmt: skip
         for cfgs, label in ((fp8_gemm._GEMV_CONFIGS, "gemv"), (fp8_gemm._GEMM_CONFIGS, "gemm")):
             for i, c in enumerate(cfgs):
-                if arch < 90 and c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] > 128 * 128:
-                    continue  # filtered out on Ada, as in fp8_gemm._autotuned
+                if arch < 90 and c.hopper_only:
+                    continue
                 yield (f"fp8 {label}[{i}] {c.kwargs}", f8, ptrs, dict(c.kwargs, DOT_FP32=False, EVEN_K=True),
                        {"num_warps": c.num_warps, "num_stages": c.num_stages})  # fmt: skip
         yield ("quant fp8 per token", fp8_gemm._quant_fp8_kernel,

@@ -46,6 +46,8 @@ __all__ = [
     "HAS_TRITON",
     "INTERPRET",
     "Config",
+    "capability",
+    "configs_for",
     "dot_fp32",
     "gemm_backend_choice",
     "launch_configs",
@@ -104,18 +106,29 @@ class Config:
     A plain class rather than ``triton.Config`` so the config tables exist without Triton.
     """
 
-    __slots__ = ("kwargs", "num_stages", "num_warps")
+    __slots__ = ("hopper_only", "kwargs", "num_stages", "num_warps")
 
-    def __init__(self, kwargs: dict[str, int], num_warps: int = 4, num_stages: int = 3) -> None:
+    def __init__(
+        self, kwargs: dict[str, int], num_warps: int = 4, num_stages: int = 3, hopper_only: bool = False
+    ) -> None:
         self.kwargs = kwargs
         self.num_warps = num_warps
         self.num_stages = num_stages
+        # Tiles that need wgmma (accumulators outside the register file) or ~200 KB of shared
+        # memory; on sm80/sm86/sm89 they spill or do not fit (bench/aot_check.py).
+        self.hopper_only = hopper_only
 
     def to_triton(self) -> Any:
         return triton.Config(dict(self.kwargs), num_warps=self.num_warps, num_stages=self.num_stages)
 
     def __repr__(self) -> str:
         return f"Config({self.kwargs}, num_warps={self.num_warps}, num_stages={self.num_stages})"
+
+
+def configs_for(t: torch.Tensor, configs: Sequence[Config]) -> list[Config]:
+    """The configs this tensor's device can run well."""
+    hopper = capability(t)[0] >= 9
+    return [c for c in configs if hopper or not c.hopper_only]
 
 
 def launch_configs(configs: Sequence[Config]) -> list[Config]:

@@ -23,6 +23,8 @@ import torch
 from localllm.kernels._triton import (
     INTERPRET,
     Config,
+    capability,
+    configs_for,
     dot_fp32,
     gemm_backend_choice,
     m_bucket,
@@ -293,8 +295,8 @@ MAX_SPLIT_K = 8
 _GEMV_CONFIGS = [
     Config({"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 4, "GROUP_M": 1}, 4, 4),
     Config({"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 8, "GROUP_M": 1}, 4, 4),
-    Config({"BLOCK_M": 16, "BLOCK_N": 256, "BLOCK_K": 128, "SPLIT_K": 8, "GROUP_M": 1}, 8, 3),
-    Config({"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 256, "SPLIT_K": 2, "GROUP_M": 1}, 4, 3),
+    Config({"BLOCK_M": 16, "BLOCK_N": 256, "BLOCK_K": 128, "SPLIT_K": 8, "GROUP_M": 1}, 8, 3, hopper_only=True),
+    Config({"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 256, "SPLIT_K": 2, "GROUP_M": 1}, 8, 3),
     Config({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 4, "GROUP_M": 1}, 4, 4),
     Config({"BLOCK_M": 16, "BLOCK_N": 256, "BLOCK_K": 64, "SPLIT_K": 1, "GROUP_M": 1}, 4, 4),
 ]
@@ -302,26 +304,27 @@ _GEMM_CONFIGS = [
     Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 1, "GROUP_M": 8}, 4, 4),
     Config({"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1, "GROUP_M": 8}, 4, 3),
     Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 1, "GROUP_M": 8}, 8, 3),
-    Config({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "SPLIT_K": 1, "GROUP_M": 8}, 8, 3),
+    Config({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "SPLIT_K": 1, "GROUP_M": 8}, 8, 3, hopper_only=True),
     Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1, "GROUP_M": 8}, 4, 4),
 ]
 # The interpreter's defaults: small tiles that still exercise split-K and multi-group tiles.
 _INTERPRET_GEMV = Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 2, "GROUP_M": 1}, 4, 1)
 _INTERPRET_GEMM = Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 1, "GROUP_M": 4}, 4, 1)
 
-_tuned: dict[tuple[bool, int], object] = {}
+_tuned: dict[tuple[bool, int, bool], object] = {}
 
 
 def _group_fits(block_k: int, group_size: int) -> bool:
     return block_k % group_size == 0 or group_size % block_k == 0
 
 
-def _autotuned(gemv: bool, group_size: int) -> object:
-    """One autotuner per (GEMV or GEMM, group size): each gets only the configs whose K tile
-    fits the group layout."""
-    key = (gemv, group_size)
+def _autotuned(x: torch.Tensor, gemv: bool, group_size: int) -> object:
+    """One autotuner per (GEMV or GEMM, group size, Hopper or not): each gets only the configs
+    whose K tile fits the group layout and that the device runs without spilling."""
+    key = (gemv, group_size, capability(x)[0] >= 9)
     if key not in _tuned:
-        configs = [c for c in (_GEMV_CONFIGS if gemv else _GEMM_CONFIGS) if _group_fits(c.kwargs["BLOCK_K"], group_size)]
+        configs = configs_for(x, _GEMV_CONFIGS if gemv else _GEMM_CONFIGS)
+        configs = [c for c in configs if _group_fits(c.kwargs["BLOCK_K"], group_size)]
         assert configs, f"no AWQ config fits group size {group_size}"
         _tuned[key] = make_autotuner(
             _awq_gemm_kernel, configs, key=["M_BUCKET", "N", "K", "GROUP_SIZE", "FP16_MAGIC", "USE_ASM", "DOT_FP32"]
@@ -380,7 +383,7 @@ def awq_gemm_triton(
             num_warps=config.num_warps, num_stages=config.num_stages
         )
     else:
-        _autotuned(gemv, group_size)[grid](*args, **consts)  # type: ignore[index]
+        _autotuned(x, gemv, group_size)[grid](*args, **consts)  # type: ignore[index]
     return out.view(*x.shape[:-1], n)
 
 

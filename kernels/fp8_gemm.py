@@ -20,6 +20,7 @@ from localllm.kernels._triton import (
     INTERPRET,
     Config,
     capability,
+    configs_for,
     gemm_backend_choice,
     m_bucket,
     make_autotuner,
@@ -182,11 +183,10 @@ _GEMV_CONFIGS = [
     Config({"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 256, "SPLIT_K": 2, "GROUP_M": 1}, 8, 3),
     Config({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 1, "GROUP_M": 1}, 4, 4),
 ]
-# Hopper takes the 128x256 tiles (wgmma, 228 KB shared memory); the list is filtered per device.
 _GEMM_CONFIGS = [
     Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1, "GROUP_M": 8}, 4, 4),
     Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1, "GROUP_M": 8}, 8, 3),
-    Config({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "SPLIT_K": 1, "GROUP_M": 8}, 8, 3),
+    Config({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "SPLIT_K": 1, "GROUP_M": 8}, 8, 3, hopper_only=True),
     Config({"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1, "GROUP_M": 8}, 4, 4),
     Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 1, "GROUP_M": 8}, 4, 3),
 ]
@@ -196,12 +196,10 @@ _INTERPRET_GEMM = Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K"
 _tuned: dict[tuple[bool, bool], object] = {}
 
 
-def _autotuned(gemv: bool, hopper: bool) -> object:
-    key = (gemv, hopper)
+def _autotuned(x: torch.Tensor, gemv: bool) -> object:
+    key = (gemv, capability(x)[0] >= 9)
     if key not in _tuned:
-        configs = _GEMV_CONFIGS if gemv else _GEMM_CONFIGS
-        if not hopper:  # Ada (sm89) has ~100 KB of shared memory per SM
-            configs = [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128]
+        configs = configs_for(x, _GEMV_CONFIGS if gemv else _GEMM_CONFIGS)
         _tuned[key] = make_autotuner(_fp8_gemm_kernel, configs, key=["M_BUCKET", "N", "K", "DOT_FP32"])
     return _tuned[key]
 
@@ -262,7 +260,7 @@ def fp8_w8a8_gemm_triton(
         _fp8_gemm_kernel[grid](*args, **consts, **config.kwargs, EVEN_K=k % config.kwargs["BLOCK_K"] == 0,
             num_warps=config.num_warps, num_stages=config.num_stages)
     else:
-        _autotuned(gemv, capability(x)[0] >= 9)[grid](*args, **consts)  # type: ignore[index]
+        _autotuned(x, gemv)[grid](*args, **consts)  # type: ignore[index]
     return out.view(*shape[:-1], n)
 
 

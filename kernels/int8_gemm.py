@@ -17,6 +17,8 @@ import torch
 from localllm.kernels._triton import (
     INTERPRET,
     Config,
+    capability,
+    configs_for,
     dot_fp32,
     gemm_backend_choice,
     m_bucket,
@@ -245,33 +247,34 @@ GEMV_MAX_M = 16
 MAX_SPLIT_K = 8
 
 _GEMV_CONFIGS = [
-    Config({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 4, "GROUP_M": 1}, 4, 4),
+    Config({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 4, "GROUP_M": 1}, 8, 4),
     Config({"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 4, "GROUP_M": 1}, 4, 4),
     Config({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 8, "GROUP_M": 1}, 4, 4),
     Config({"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 256, "SPLIT_K": 2, "GROUP_M": 1}, 8, 3),
     Config({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 1, "GROUP_M": 1}, 4, 4),
 ]
 _GEMM_CONFIGS = [
-    Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1, "GROUP_M": 8}, 4, 4),
+    Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1, "GROUP_M": 8}, 8, 4),
     Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1, "GROUP_M": 8}, 8, 3),
-    Config({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "SPLIT_K": 1, "GROUP_M": 8}, 8, 3),
+    Config({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "SPLIT_K": 1, "GROUP_M": 8}, 8, 3, hopper_only=True),
     Config({"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1, "GROUP_M": 8}, 4, 4),
     Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1, "GROUP_M": 8}, 4, 4),
 ]
 _INTERPRET_GEMV = Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 2, "GROUP_M": 1}, 4, 1)
 _INTERPRET_GEMM = Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 1, "GROUP_M": 4}, 4, 1)
 
-_tuned: dict[bool, object] = {}
+_tuned: dict[tuple[bool, bool], object] = {}
 
 
-def _autotuned(gemv: bool) -> object:
-    if gemv not in _tuned:
-        _tuned[gemv] = make_autotuner(
+def _autotuned(x: torch.Tensor, gemv: bool) -> object:
+    key = (gemv, capability(x)[0] >= 9)
+    if key not in _tuned:
+        _tuned[key] = make_autotuner(
             _int8_gemm_kernel,
-            _GEMV_CONFIGS if gemv else _GEMM_CONFIGS,
+            configs_for(x, _GEMV_CONFIGS if gemv else _GEMM_CONFIGS),
             key=["M_BUCKET", "N", "K", "A8", "FP16_MAGIC", "USE_ASM", "DOT_FP32"],
         )
-    return _tuned[gemv]
+    return _tuned[key]
 
 
 def quantize_per_token_int8_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -336,7 +339,7 @@ def _launch(
         _int8_gemm_kernel[grid](*args, **consts, **config.kwargs, EVEN_K=k % config.kwargs["BLOCK_K"] == 0,
             num_warps=config.num_warps, num_stages=config.num_stages)
     else:
-        _autotuned(gemv)[grid](*args, **consts)  # type: ignore[index]
+        _autotuned(a, gemv)[grid](*args, **consts)  # type: ignore[index]
     return out
 
 

@@ -325,26 +325,29 @@ def _reduce_splits_kernel(
     tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
-def _tile_config(q: torch.Tensor, qpkv: int, head_dim: int, decode: bool) -> tuple[int, int, int, int]:
+def _tile_config(
+    q: torch.Tensor, qpkv: int, head_dim: int, decode: bool, fp8: bool
+) -> tuple[int, int, int, int]:
     """(BLOCK_M, TILE_N, num_warps, num_stages) for this device.
 
-    Decode is bandwidth-bound: one token's packed heads fill the rows, and deeper pipelining of
-    the K/V loads matters more than tile size. Prefill is compute-bound and wants BLOCK_M=128 on
-    datacenter parts; consumer parts (sm86/sm89, ~100 KB shared memory) use 64.
+    Decode is bandwidth-bound: one token's packed heads fill the rows and three stages keep
+    the next block-table entries and K/V tile in flight. Prefill is compute-bound: 128 query
+    rows x 64 keys with 8 warps (wgmma on sm90). On sm8x the accumulators live in registers;
+    bench/aot_check.py showed 64 rows with 4 warps spilling at head dim 128, and an FP8
+    cache needing 64 rows to stay spill-free.
     """
     min_rows = max(16, next_power_of_2(qpkv))
     if INTERPRET or not q.is_cuda:
         # Under the interpreter a bigger tile costs less (numpy ops), but tests pin sizes.
         return (min_rows, 32, 4, 1) if decode else (max(min_rows, 32), 32, 4, 1)
-    major, minor = capability(q)
-    big_smem = major >= 9 or (major, minor) == (8, 0)
     if decode:
-        return min_rows, 64, 4, 3 if big_smem else 2
+        return min_rows, 64, 4, 3
     if head_dim > 128:
-        return max(min_rows, 64), 32, 4, 2
-    if big_smem:
-        return max(min_rows, 128), 64, 8, 2
-    return max(min_rows, 64), 64, 4, 2
+        return max(min_rows, 64), 32, 8, 2
+    hopper = capability(q)[0] >= 9
+    if fp8 and not hopper:
+        return max(min_rows, 64), 64, 8, 2
+    return max(min_rows, 128), 64, 8, 2
 
 
 def _num_splits(q: torch.Tensor, num_decodes: int, num_kv_heads: int, max_seq_len: int | None, tile_n: int) -> int:
@@ -431,7 +434,7 @@ def paged_attention_triton(
         )  # fmt: skip
 
     if num_decodes > 0:
-        bm, tn, warps, stages = _tile_config(q, qpkv, head_dim, decode=True)
+        bm, tn, warps, stages = _tile_config(q, qpkv, head_dim, decode=True, fp8=fp8)
         bm = max(bm, block_m or 0, next_power_of_2(qpkv))
         tn = tile_n or tn
         splits = num_splits or _num_splits(q, num_decodes, num_kv_heads, max_seq_len, tn)
@@ -451,7 +454,7 @@ def paged_attention_triton(
             )  # fmt: skip
 
     if num_decodes < num_seqs:
-        bm, tn, warps, stages = _tile_config(q, qpkv, head_dim, decode=False)
+        bm, tn, warps, stages = _tile_config(q, qpkv, head_dim, decode=False, fp8=fp8)
         bm = max(block_m or bm, next_power_of_2(qpkv))
         tn = tile_n or tn
         bq = bm // qpkv

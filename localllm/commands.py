@@ -66,6 +66,9 @@ def run(args: argparse.Namespace) -> int:
     from localllm.engine.engine import LLMEngine
     from localllm.hardware.probe import MemoryMeter
 
+    # Library code is the process's baseline, not the model's: import it before measuring.
+    import gguf, jinja2, safetensors, tokenizers  # noqa: E401, F401
+
     meter = MemoryMeter("cuda" if args.device != "cpu" and _cuda() else "cpu").start()
 
     t_load = time.monotonic()

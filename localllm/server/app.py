@@ -35,6 +35,7 @@ from localllm.engine.async_engine import AsyncEngine
 from localllm.engine.engine import RequestOutput
 from localllm.engine.sequence import SamplingParams
 from localllm.errors import LocalLLMError
+from localllm.server.cli import bind_socket
 from localllm.server.protocol import (
     SEED_MAX,
     SEED_MIN,
@@ -539,21 +540,6 @@ async def _completion_stream(
 
 # ---- running it ----
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """Binds before the model loads, so a busy port fails in a second, not after the load."""
-    if not 0 <= port <= 65535:
-        raise LocalLLMError(f"--port {port}: must be in 0..65535")
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, kind, proto)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-    except OSError as e:
-        raise LocalLLMError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    sock.set_inheritable(True)
-    return sock
-
-
 def _url(sock: socket.socket) -> str:
     host, port = sock.getsockname()[:2]
     return f"http://{f'[{host}]' if ':' in host else host}:{port}"
@@ -592,11 +578,11 @@ def start_server_thread(app: ASGIApp, host: str = "127.0.0.1", port: int = 0) ->
     return RunningServer(_url(sock), server, thread)
 
 
-def serve_command(args: argparse.Namespace) -> int:
+def serve_command(args: argparse.Namespace, sock: socket.socket) -> int:
+    """Loads the model and serves on ``sock`` (bound already, see ``localllm.server.cli``)."""
     from localllm.commands import _progress_printer, engine_config_from_args
     from localllm.engine.engine import LLMEngine
 
-    sock = bind_socket(args.host, args.port)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"localllm: warning: serving on {args.host} without --api-key: anyone who can reach this "
               "port can use the model", file=sys.stderr)

@@ -536,12 +536,12 @@ class ChatApp(App[None]):
         running = int(getattr(s, "num_running", 0) or 0)
         batch = int(getattr(s, "batch_size", 0) or 0) if running else 0
         kv = float(getattr(s, "kv_usage", 0.0) or 0.0)
-        sep = ("  │  ", "dim")
+        sep = (" │ ", "dim")
         text.append(f" {s.model}", style="bold")
-        text.append(f"  {precision_label(str(getattr(s, 'precision', '?')))} · {getattr(s, 'device', '?')}")
+        text.append(f"  {precision_label(str(getattr(s, 'precision', '?')))}/{getattr(s, 'device', '?')}")
         text.append(*sep)
         tok_s = chat.last_tok_s if chat is not None else 0.0
-        text.append(f"{tok_s:5.1f} tok/s")
+        text.append(f"{tok_s:.1f} tok/s")
         text.append(*sep)
         text.append(f"batch {batch}", style="bold green" if batch > 1 else "")
         waiting = int(getattr(s, "num_waiting", 0) or 0)
@@ -551,7 +551,7 @@ class ChatApp(App[None]):
         text.append(f"KV {kv:.1%}")
         text.append(*sep)
         cached = chat.last_cached_tokens if chat is not None else 0
-        text.append(f"prefix hit {cached} tok")
+        text.append(f"prefix hit {cached}")
         text.append(*sep)
         text.append(memory_label(str(getattr(s, "device", ""))))
         return text

@@ -105,8 +105,9 @@ class ChatPane(Vertical):
         self.conversation = conversation
         self.turns: list[Turn] = list(turns or [])
         self.reply: Reply | None = None
-        self.last_tok_s = 0.0
-        self.last_cached_tokens = 0
+        last = next((t for t in reversed(self.turns) if t.role == "assistant"), None)
+        self.last_tok_s = float(last.meta.get("tok_s", 0.0)) if last else 0.0
+        self.last_cached_tokens = int(last.meta.get("cached_tokens", 0)) if last else 0
         self._worker: Worker[None] | None = None
         self._flush_timer: Timer | None = None
 
@@ -195,7 +196,7 @@ class ChatPane(Vertical):
         self.messages.follow_end()
         reply = Reply(view, f"{self.id or 'chat'}-{uuid.uuid4().hex[:12]}")
         self.reply = reply
-        view.stream()
+        view.begin()
         try:
             engine = await app.wait_for_engine()
             params = sampling_params(self.params)
@@ -223,7 +224,7 @@ class ChatPane(Vertical):
         chunk = "".join(reply.pending)
         reply.pending.clear()
         follow = self.messages.near_bottom()
-        await reply.view.stream().write(chunk)
+        await reply.view.write(chunk)
         if follow:
             self.messages.follow = True
             self.messages.follow_end()

@@ -73,7 +73,13 @@ class MessageList(VerticalScroll):
 
     def follow_end(self) -> None:
         if self.follow:
-            self.scroll_end(animate=False)
+            # After the next refresh the new text has its height; check follow again then, in
+            # case the reader scrolled away in between.
+            self.call_after_refresh(self._end_if_following)
+
+    def _end_if_following(self) -> None:
+        if self.follow:
+            self.scroll_end(animate=False, immediate=True)
 
 
 class MessageView(Vertical):
@@ -98,6 +104,7 @@ class MessageView(Vertical):
         self.meta = dict(meta or {})
         self.message_id = message_id
         self._stream: MarkdownStream | None = None
+        self.streaming = False
 
     def compose(self) -> Any:
         yield Label(self._header(), classes="header")
@@ -117,7 +124,7 @@ class MessageView(Vertical):
                 bits.append("cut at max tokens")
             elif self.finish_reason == "error":
                 bits.append("failed")
-            elif self.finish_reason is None and self._stream is not None:
+            elif self.finish_reason is None and self.streaming:
                 bits.append("…")
             if self.meta.get("tok_s"):
                 bits.append(f"{self.meta['tok_s']:.1f} tok/s")
@@ -131,11 +138,16 @@ class MessageView(Vertical):
     def markdown(self) -> Markdown:
         return self.query_one(Markdown)
 
-    def stream(self) -> MarkdownStream:
+    def begin(self) -> None:
+        self.streaming = True
+        self.refresh_header()
+
+    async def write(self, chunk: str) -> None:
+        # The stream is made on the first write, not before: its task must get to run once
+        # before stop() cancels it, or stop() raises CancelledError into the caller.
         if self._stream is None:
             self._stream = Markdown.get_stream(self.markdown)
-            self.refresh_header()
-        return self._stream
+        await self._stream.write(chunk)
 
     def refresh_header(self) -> None:
         if self.is_mounted:
@@ -146,6 +158,7 @@ class MessageView(Vertical):
         or a list half-parsed, a full render cannot."""
         self.content = content
         self.finish_reason = finish_reason
+        self.streaming = False
         if meta:
             self.meta.update(meta)
         stream, self._stream = self._stream, None

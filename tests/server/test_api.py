@@ -84,7 +84,7 @@ def test_seed_reproducible_and_n_choices(client: openai.OpenAI) -> None:
     pair = sample(7, n=2)
     assert pair[0] == first[0]  # choice i samples with seed + i
     assert sample(8) == [pair[1]]
-    assert len({sample(s)[0] for s in (1, 2, 3)} | {first[0]}) > 1
+    assert pair[0] != pair[1]  # ten tokens at temperature 1: different seeds, different text
 
 
 def test_max_completion_tokens_ignore_eos_and_extensions(client: openai.OpenAI) -> None:

@@ -19,7 +19,7 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
-async def wait_until(pilot, predicate: Callable[[], bool], timeout: float = 60.0, what: str = "") -> None:
+async def wait_until(pilot, predicate: Callable[[], bool], timeout: float = 30.0, what: str = "") -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:

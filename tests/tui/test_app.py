@@ -141,7 +141,7 @@ async def test_copy_reply_and_code_block() -> None:
 
 
 async def test_tabs_stream_together_and_a_hidden_tab_catches_up() -> None:
-    engine = FakeEngine(" ".join(f"w{i}" for i in range(40)), delay=0.01)
+    engine = FakeEngine(" ".join(f"w{i}" for i in range(40)), delay=0.05)
     app = ChatApp(engine, probe=False)
     async with app.run_test(size=SIZE) as pilot:
         first = app.active_chat

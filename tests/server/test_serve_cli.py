@@ -1,0 +1,77 @@
+"""``localllm serve`` as users start it: a subprocess that prints its URL when ready, answers
+the openai client, and stops cleanly on Ctrl+C; a busy or bad port fails at once, on one line."""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+SERVE = [sys.executable, "-m", "localllm.cli", "serve"]
+
+
+def _ready_url(proc: subprocess.Popen[str], timeout: float) -> str:
+    """Reads stdout until the one 'serving ... at URL' line arrives."""
+    assert proc.stdout is not None
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not sel.select(timeout=0.5):
+            if proc.poll() is not None:
+                break
+            continue
+        line = proc.stdout.readline()
+        if " at http://" in line:
+            return line.split(" at ", 1)[1].split()[0]
+        if not line and proc.poll() is not None:
+            break
+    proc.kill()
+    raise AssertionError(f"serve never became ready: {proc.stderr.read() if proc.stderr else ''}")
+
+
+def test_serve_subprocess_with_api_key(default_model_path: Path) -> None:
+    env = {**os.environ, "LOCALLLM_API_KEY": "k-sub"}
+    proc = subprocess.Popen(
+        [*SERVE, "--model", str(default_model_path), "--port", "0", "--max-model-len", "512", "--chats", "1",
+         "--device", "cpu"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+    try:
+        url = _ready_url(proc, timeout=150)
+        assert url.startswith("http://127.0.0.1:") and url.endswith("/v1")
+        root = url.removesuffix("/v1")
+        assert httpx.get(f"{root}/health").status_code == 200
+        assert httpx.get(f"{url}/models").status_code == 401
+        client = openai.OpenAI(base_url=url, api_key="k-sub", max_retries=0, timeout=60)
+        r = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
+        assert r.usage.completion_tokens >= 1
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) in (0, 130)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("port", ["busy", "70000"])
+def test_serve_bad_port_fails_fast_on_one_line(port: str) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        number = str(s.getsockname()[1]) if port == "busy" else port
+        started = time.monotonic()
+        r = subprocess.run([*SERVE, "--port", number], check=False, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.startswith("localllm: error: cannot listen") or "--port" in r.stderr
+    assert r.stderr.count("\n") == 1
+    assert time.monotonic() - started < 30  # no model load before the bind

@@ -1,0 +1,78 @@
+"""Screens as SVG snapshots. Content is fixed: a conversation loaded from history, a scripted
+engine with fixed stats, a fixed memory figure and date, no generation, no cursor blink.
+Update with ``pytest tests/tui/test_snapshots.py --snapshot-update`` after a deliberate change."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from textual.widgets import TextArea
+
+from localllm.history import History
+from localllm.tui.app import ChatApp
+from tests.tui.fakes import FakeEngine
+
+SIZE = (100, 30)
+
+REPLY = """Use a list comprehension:
+
+```python
+squares = [n * n for n in range(10)]
+```
+
+- it reads left to right
+- it is faster than `append` in a loop"""
+
+
+@pytest.fixture(autouse=True)
+def fixed_figures(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("localllm.tui.app.memory_label", lambda device: "RAM 512.0 MiB")
+    monkeypatch.setattr("localllm.tui.screens._when", lambda ts: "2026-11-29 12:00")
+
+
+@pytest.fixture
+def saved_chat(home: Path) -> None:
+    h = History(home / "data" / "history.sqlite3")
+    c = h.create_conversation("Squares in Python", tab_position=0)
+    h.add_message(c.id, "user", "How do I make a list of squares?")
+    h.add_message(c.id, "assistant", REPLY, "stop", {"tok_s": 42.5, "cached_tokens": 32, "tokens": 40})
+    other = h.create_conversation("Boiling eggs")
+    h.add_message(other.id, "user", "How long do I boil an egg?")
+    h.add_message(other.id, "assistant", "About nine minutes for a firm y", "abort", {"tok_s": 40.0})
+    h.close()
+
+
+async def _still(pilot) -> None:
+    for area in pilot.app.query(TextArea):
+        area.cursor_blink = False
+    await pilot.pause()
+
+
+def _app() -> ChatApp:
+    return ChatApp(FakeEngine(), probe=False)
+
+
+def test_chat_loaded_from_history(snap_compare, saved_chat) -> None:
+    assert snap_compare(_app(), terminal_size=SIZE, run_before=_still)
+
+
+def test_history_screen(snap_compare, saved_chat) -> None:
+    async def open_history(pilot) -> None:
+        await pilot.press("ctrl+o")
+        await _still(pilot)
+
+    assert snap_compare(_app(), terminal_size=SIZE, run_before=open_history)
+
+
+def test_settings_screen(snap_compare, saved_chat) -> None:
+    async def open_settings(pilot) -> None:
+        await pilot.press("ctrl+s")
+        await _still(pilot)
+
+    assert snap_compare(_app(), terminal_size=SIZE, run_before=open_settings)
+
+
+def test_first_run_offer(snap_compare) -> None:
+    app = ChatApp(engine_factory=lambda model, progress: FakeEngine(), offer_pull=True, probe=False)
+    assert snap_compare(app, terminal_size=SIZE, run_before=_still)

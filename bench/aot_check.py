@@ -192,6 +192,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", default="90,89,80", help="comma list of SM versions")
     ap.add_argument("--only", default=",".join(GROUPS), help=f"comma list of {list(GROUPS)}")
+    ap.add_argument("--match", default="", help="only cases whose name contains this")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
     results: list[dict[str, Any]] = []
@@ -199,6 +200,8 @@ def main() -> int:
     for arch in (int(a) for a in args.arch.split(",")):
         for group in args.only.split(","):
             for name, fn, types, cx, opts in GROUPS[group](arch):
+                if args.match not in name:
+                    continue
                 t0 = time.monotonic()
                 row: dict[str, Any] = {"arch": arch, "kernel": fn.__name__, "case": name}
                 try:

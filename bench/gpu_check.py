@@ -661,7 +661,11 @@ def hf_compare(
         return {"skipped": "transformers not installed"}
     import transformers
 
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).to(device).eval()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
+    except TypeError:  # transformers < 4.56 names it torch_dtype
+        model = AutoModelForCausalLM.from_pretrained(str(folder), torch_dtype=dtype)
+    model = model.to(device).eval()
     r: dict[str, Any] = {"version": transformers.__version__}
 
     def run(batch: int, new: int) -> float:

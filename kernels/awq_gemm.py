@@ -296,7 +296,7 @@ _GEMV_CONFIGS = [
     Config({"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 4, "GROUP_M": 1}, 4, 4),
     Config({"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 8, "GROUP_M": 1}, 4, 4),
     Config({"BLOCK_M": 16, "BLOCK_N": 256, "BLOCK_K": 128, "SPLIT_K": 8, "GROUP_M": 1}, 8, 3, hopper_only=True),
-    Config({"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 256, "SPLIT_K": 2, "GROUP_M": 1}, 8, 3),
+    Config({"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 256, "SPLIT_K": 2, "GROUP_M": 1}, 8, 2),
     Config({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 4, "GROUP_M": 1}, 4, 4),
     Config({"BLOCK_M": 16, "BLOCK_N": 256, "BLOCK_K": 64, "SPLIT_K": 1, "GROUP_M": 1}, 4, 4),
 ]

@@ -361,7 +361,8 @@ def _num_splits(q: torch.Tensor, num_decodes: int, num_kv_heads: int, max_seq_le
     target = 2 * num_sms(q)
     if programs >= target:
         return 1
-    splits = min(next_power_of_2(-(-target // programs)), 64)
+    want = -(-target // programs)
+    splits = min(1 << (want.bit_length() - 1), 64)  # round down: slices stay a few tiles long
     if max_seq_len is not None:
         useful = max(1, max_seq_len // (4 * tile_n))
         splits = min(splits, next_power_of_2(useful) if useful > 1 else 1)

@@ -178,7 +178,9 @@ class _Target:
         """(KV usage, KV blocks used, batch size, preemptions so far), None where unknown."""
         if self.llm is not None:
             s = self.engine.stats()
-            return s.kv_usage, s.kv_blocks_used, s.batch_size, s.num_preemptions
+            # an idle engine's snapshot still shows its last step's batch, from the run before
+            batch = s.batch_size if s.num_running else None
+            return s.kv_usage, s.kv_blocks_used, batch, s.num_preemptions
         if not self._metrics_ok or client is None:
             return None, None, None, None
         return await self._scrape(client), None, None, None

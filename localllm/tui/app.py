@@ -558,7 +558,7 @@ class ChatApp(App[None]):
 
     def refresh_status(self) -> None:
         try:
-            self.query_one(StatusBar).update(self.status_text())
+            self.query_one(StatusBar).set_text(self.status_text())
         except Exception:  # noqa: BLE001 - during shutdown the bar may be gone
             return
         self._paint_tab_labels()

@@ -28,7 +28,7 @@ from localllm.tui.widgets import MessageList, MessageView, PromptArea
 if TYPE_CHECKING:
     from localllm.tui.app import ChatApp
 
-FRAME_S = 1 / 30  # repaint budget per tab: Markdown appends past ~20/s only queue up anyway
+FRAME_S = 1 / 20  # at most one Markdown append per tab per 50 ms: each one costs a layout pass of the screen
 
 
 @dataclass(slots=True)

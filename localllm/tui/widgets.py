@@ -178,5 +178,25 @@ class MessageView(Vertical):
         self.post_message(self.CopyRequested(self.content, "message"))
 
 
-class StatusBar(Static):
-    """One line: model, precision and device, then this tab's speed and the engine's state."""
+class StatusBar(Widget):
+    """One line: model, precision and device, then this tab's speed and the engine's state.
+
+    Repainted a few times a second, so it never asks for a layout pass (``Static.update``
+    would, and a layout of the whole screen costs tens of milliseconds on a long chat)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._text = Text()
+
+    def set_text(self, text: Text) -> None:
+        if text == self._text:
+            return
+        self._text = text
+        self.refresh()
+
+    @property
+    def text(self) -> Text:
+        return self._text
+
+    def render(self) -> Text:
+        return self._text

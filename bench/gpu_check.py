@@ -7,6 +7,10 @@
     python bench/gpu_check.py --smoke       # CPU: tiny shapes under TRITON_INTERPRET=1, to
                                             # exercise this script's own code paths
 
+Cold, the kernels section spends most of its time compiling and autotuning (results are
+cached on disk, so a second run on the same machine is much faster). If one run does not fit,
+split it: ``--only env,bandwidth,kernels``, then ``--only tests``, then ``--only e2e``.
+
 Sections (each guarded: a failure is recorded in the JSON and the next section still runs;
 the JSON is rewritten after every section, so a killed run keeps what it measured):
 - env: versions, device, compute capability, SM count.
@@ -25,6 +29,7 @@ the JSON is rewritten after every section, so a killed run keeps what it measure
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -640,6 +645,7 @@ def section_e2e(
             print(f"   e2e {quant} failed: {r['error']}", flush=True)
         finally:
             llm = None
+            gc.collect()  # the engine holds CUDA graphs and the KV pool
             if device == "cuda":
                 torch.cuda.empty_cache()
             save()
@@ -686,7 +692,6 @@ def hf_compare(
     b = 8 if smoke else 64
     t_b = run(b, long_)
     r[f"batch{b}_tok_s"] = round(b * long_ / t_b, 1)
-    del model
     return r
 
 

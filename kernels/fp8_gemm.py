@@ -140,7 +140,7 @@ def _fp8_gemm_kernel(
     # K-contiguous [BLOCK_K, BLOCK_N] tile of the [N, K] weight: the operand layout Hopper's
     # fp8 wgmma requires.
     w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
-    for kt in range(kt_lo, kt_hi):
+    for _ in range(kt_lo, kt_hi):
         if EVEN_K:  # the usual case: no per-iteration K masks
             x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
             w = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)

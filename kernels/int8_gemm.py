@@ -198,7 +198,7 @@ def _int8_gemm_kernel(
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
     # [BLOCK_K, BLOCK_N] view of the [N, K] weight: each column is a contiguous K run.
     w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
-    for kt in range(kt_lo, kt_hi):
+    for _ in range(kt_lo, kt_hi):
         if EVEN_K:  # the usual case: no per-iteration K masks
             x = tl.load(x_ptrs, mask=m_ok[:, None], other=0)
             w = tl.load(w_ptrs, mask=n_ok[None, :], other=0)

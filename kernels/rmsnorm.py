@@ -60,7 +60,8 @@ def _rms_norm_kernel(
         tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n_cols + eps)
-    normed = (xf * rstd).to(x.dtype).to(tl.float32)
+    # As the reference: normalise in fp32, round once to the weight dtype, then scale.
+    normed = (xf * rstd).to(w_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -76,7 +77,9 @@ def rms_norm_triton(
         x2 = x2.contiguous()
     rows = x2.shape[0]
     sum_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
-    out = torch.empty(shape, dtype=torch.promote_types(sum_dtype, weight.dtype), device=x.device)
+    # The output feeds the next matmul, so it takes the weights' dtype even when the residual
+    # stream is fp32 (the model keeps it so).
+    out = torch.empty(shape, dtype=weight.dtype, device=x.device)
     out2 = out.view(-1, n)
     if residual is not None:
         assert residual.shape == shape

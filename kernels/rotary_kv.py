@@ -208,7 +208,9 @@ def rotary_and_store_kv_triton(
     if num_tokens == 0:
         return q_out
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and cos_sin_cache.stride(-1) == 1
+    # Caches may be views into a larger KV pool; only the head dim must be contiguous, and k
+    # and v must share strides (one set is passed).
+    assert k_cache.stride(-1) == 1 and cos_sin_cache.stride(-1) == 1
     assert k_cache.stride() == v_cache.stride()
     num_kv_heads = k.shape[1]
     assert head_dim % 2 == 0

@@ -270,7 +270,7 @@ class History:
         hits: dict[int, SearchHit] = {}
         for r in rows:  # best-ranked message per conversation
             if r["cid"] not in hits:
-                hits[r["cid"]] = SearchHit(r["cid"], r["title"], r["snip"], r["updated"])
+                hits[r["cid"]] = SearchHit(r["cid"], r["title"], " ".join(r["snip"].split()), r["updated"])
         return list(hits.values())[:limit]
 
     def export_markdown(self, conversation_id: int) -> str:
@@ -319,7 +319,7 @@ def _conversation(row: sqlite3.Row) -> Conversation:
     return Conversation(
         id=row["id"], title=row["title"], system_prompt=row["system_prompt"], params=params,
         model=row["model"], created=row["created"], updated=row["updated"], tab_position=row["tab_position"],
-        num_messages=row["n"] if "n" in row.keys() else 0,
+        num_messages=row["n"] if "n" in row.keys() else 0,  # noqa: SIM118 - sqlite3.Row has no __contains__ for keys
     )
 
 

@@ -6,17 +6,19 @@ Per decoder layer, on calibration activations that reach it through the float mo
    (after attention).
 2. For each group, grid-search the exponent ``alpha`` of per-input-channel scales
    ``s = mean|x|^alpha`` (normalised to geometric mean 1): scaling salient input channels up
-   before int4 rounding shrinks their relative rounding error. The loss is the squared error
-   of the group's output with the int4 weight ``Q(W * s) / s`` against the float output.
+   before int4 rounding shrinks their relative rounding error. The int4 weight is
+   ``Q(W * s) / s``; the loss is the squared output error of the module around the group for
+   qkv (attention, o_proj included) and gate_up (the MLP), as in AutoAWQ, and of the linear
+   itself for down and o_proj.
 3. Fold ``s`` into whatever produces the input: the RMSNorm weight (qkv, gate_up), the up
    rows of gate_up (down), the v rows of qkv (o_proj, only when there is one KV head per
    query head; with GQA the v outputs feed several heads, so o_proj is left unscaled).
 4. Search a clipping ratio per (output row, group) that minimises the error of each
    group's partial output, skipping q and k, whose errors the softmax amplifies.
 
-Every loss is the squared error of a linear's output over all calibration tokens, computed
-from the inputs' Gram matrix (see ``InputStats``), so the searches cost the same whatever the
-calibration length. The next layer's inputs come from this layer's float output, as in AutoAWQ. The result is a
+Linear-output losses come from the inputs' Gram matrix (see ``InputStats``), so they cost the
+same whatever the calibration length; module losses run on the first ``BLOCK_TOKENS``. The
+next layer's inputs come from this layer's float output, as in AutoAWQ. The result is a
 float model whose weights ``quantize_model`` then rounds to nearest, in the AWQ layout.
 """
 
@@ -36,6 +38,7 @@ N_GRID = 20  # alpha points in [0, 1]
 CLIP_GRID = 20  # clip ratios 1 - i/20 ...
 MAX_SHRINK = 0.5  # ... down to 0.55 of the group's range
 CLIP_ROWS = 512  # output rows per clipping chunk (bounds memory)
+BLOCK_TOKENS = 2048  # calibration tokens the attention/MLP output losses run on
 
 
 @dataclass(slots=True)
@@ -72,6 +75,34 @@ def search_scale(stats: InputStats, w: torch.Tensor, group_size: int, n_grid: in
 
 
 @torch.no_grad()
+def search_scale_block(
+    stats: InputStats,
+    linear: nn.Linear,
+    block: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    group_size: int,
+    n_grid: int = N_GRID,
+) -> torch.Tensor:
+    """``search_scale`` with the loss taken at the output of ``block`` (the attention or MLP
+    module around ``linear``) on inputs ``x``: errors that the block amplifies (attention
+    scores, the SiLU gate, down_proj) count for what they do to the layer's output."""
+    w = linear.weight.detach().clone()
+    ref = block(x).float()
+    best_err, best = float("inf"), torch.ones_like(stats.abs_mean)
+    try:
+        for alpha in torch.linspace(0, 1, n_grid).tolist():
+            s = stats.abs_mean.pow(alpha).clamp(min=1e-4)
+            s = s / (s.max() * s.min()).sqrt()
+            linear.weight.copy_((fake_quant_int4(w.float() * s, group_size) / s).to(w.dtype))
+            err = (block(x).float() - ref).pow(2).mean().item()
+            if err < best_err:
+                best_err, best = err, s
+    finally:
+        linear.weight.copy_(w)
+    return best
+
+
+@torch.no_grad()
 def search_clip(stats: InputStats, w: torch.Tensor, group_size: int) -> torch.Tensor:
     """``w [N, K]`` clamped per (row, group) to the fraction of its [min, max] range that
     minimises the squared error of that group's contribution to the output."""
@@ -103,15 +134,21 @@ def search_clip(stats: InputStats, w: torch.Tensor, group_size: int) -> torch.Te
 
 
 class _Capture:
-    """Forward pre-hooks that reduce the inputs of named linears to ``InputStats``."""
+    """Forward pre-hooks that reduce the inputs of named linears to ``InputStats``, and keep
+    the first ``keep_rows`` input rows of the linears named in ``keep`` for block losses."""
 
-    def __init__(self, modules: dict[str, nn.Module]) -> None:
+    def __init__(self, modules: dict[str, nn.Module], keep: tuple[str, ...], keep_rows: int) -> None:
         self.stats: dict[str, InputStats] = {}
+        self.kept: dict[str, torch.Tensor] = {}
+        self.keep, self.keep_rows = keep, keep_rows
         self.handles = [m.register_forward_pre_hook(self._hook(n)) for n, m in modules.items()]
 
     def _hook(self, name: str) -> Callable[[nn.Module, tuple[torch.Tensor, ...]], None]:
         def hook(_: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+            x = args[0].detach().reshape(-1, args[0].shape[-1])
+            if name in self.keep:
+                self.kept[name] = x[: self.keep_rows].clone()
+            x = x.float()
             self.stats[name] = InputStats(x.abs().mean(0), (x.t() @ x) / x.shape[0])
 
         return hook
@@ -122,13 +159,19 @@ class _Capture:
 
 
 @torch.no_grad()
-def _quantize_layer(layer: DecoderLayer, feats: dict[str, InputStats], group_size: int) -> None:
+def _quantize_layer(
+    layer: DecoderLayer,
+    feats: dict[str, InputStats],
+    kept: dict[str, torch.Tensor],
+    attend: Callable[[torch.Tensor], torch.Tensor],
+    group_size: int,
+) -> None:
     attn, mlp = layer.self_attn, layer.mlp
     qkv, o, gate_up, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
     inter = down.in_features
     v_rows = slice(attn.q_size + attn.kv_size, attn.q_size + 2 * attn.kv_size)
 
-    s = search_scale(feats["qkv"], qkv.weight, group_size)
+    s = search_scale_block(feats["qkv"], qkv, attend, kept["qkv"], group_size)
     layer.input_layernorm.weight.div_(s.to(layer.input_layernorm.weight.dtype))
     qkv.weight.mul_(s.to(qkv.weight.dtype))
     feats["qkv"] = feats["qkv"].scaled(s)
@@ -141,7 +184,7 @@ def _quantize_layer(layer: DecoderLayer, feats: dict[str, InputStats], group_siz
         o.weight.mul_(s.to(o.weight.dtype))
         feats["o"] = feats["o"].scaled(s)
 
-    s = search_scale(feats["gate_up"], gate_up.weight, group_size)
+    s = search_scale_block(feats["gate_up"], gate_up, mlp, kept["gate_up"], group_size)
     layer.post_attention_layernorm.weight.div_(s.to(layer.post_attention_layernorm.weight.dtype))
     gate_up.weight.mul_(s.to(gate_up.weight.dtype))
     feats["gate_up"] = feats["gate_up"].scaled(s)
@@ -174,6 +217,11 @@ def awq_search(
     # One layer's KV pool, handed from layer to layer: only one layer runs at a time.
     pool = torch.zeros(2, blocks_for(batch.lengths), BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim,
                        dtype=dtype, device=dev)
+    # Block losses run on the first sequences, up to BLOCK_TOKENS: attention needs whole ones.
+    lengths = batch.lengths
+    n_block = max(1, next((i for i in range(len(lengths)) if sum(lengths[: i + 1]) > BLOCK_TOKENS), len(lengths)))
+    sub = prefill_batch([list(s)[:limit] for s in calib[:n_block]], dev)
+    keep_rows = sum(sub.lengths)
     x = model.model.embed_tokens(batch.input_ids)
     residual: torch.Tensor | None = None
     layers = model.model.layers
@@ -181,12 +229,16 @@ def awq_search(
         attn = layer.self_attn
         attn.k_cache, attn.v_cache = pool[0], pool[1]
         cap = _Capture({"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": layer.mlp.gate_up_proj,
-                        "down": layer.mlp.down_proj})
+                        "down": layer.mlp.down_proj}, keep=("qkv", "gate_up"), keep_rows=keep_rows)
         try:
             x, residual = layer(x, residual, batch.positions, model.cos_sin, batch.meta)
         finally:
             cap.remove()
+
+        def attend(h: torch.Tensor, attn: nn.Module = attn) -> torch.Tensor:
+            return attn(h, sub.positions, model.cos_sin, sub.meta)
+
+        _quantize_layer(layer, cap.stats, cap.kept, attend, group_size)
         attn.k_cache = attn.v_cache = torch.empty(0)
-        _quantize_layer(layer, cap.stats, group_size)
         if progress is not None:
             progress(i + 1, len(layers))

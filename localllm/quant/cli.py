@@ -4,6 +4,7 @@ it imports nothing heavy; the handlers import torch when they run."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import Any
 
 _METHODS = ("awq", "rtn4", "int8", "int8-w8a8", "fp8")
@@ -55,14 +56,15 @@ def run_quantize(args: argparse.Namespace) -> int:
     import time
     from pathlib import Path
 
+    import psutil
     import torch
 
     from localllm import store
     from localllm.errors import LocalLLMError
     from localllm.models.loader import build_model, open_checkpoint
-    from localllm.quant.methods import check_method, config_group_size, quantize_model, weight_bytes
     from localllm.quant.checkpoint import save_quantized
     from localllm.quant.eval import DEFAULT_CALIB, calibration_samples
+    from localllm.quant.methods import check_method, config_group_size, prepare_online, quantize_model, weight_bytes
 
     method = check_method(args.method)
     if method == "none":
@@ -81,36 +83,44 @@ def run_quantize(args: argparse.Namespace) -> int:
     def say(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    calib = None
+    def progress(stage: str) -> Callable[[int, int], None]:
+        def report(done: int, total: int) -> None:
+            if sys.stderr.isatty() or done == total:
+                print(f"\r{stage} {done}/{total}", end="\n" if done == total else "", file=sys.stderr, flush=True)
+
+        return report
+
+    t0 = time.perf_counter()
     if method == "awq":
         calib_file = Path(args.calib).expanduser() if args.calib else DEFAULT_CALIB
         if args.calib is None and not DEFAULT_CALIB.is_file():
             raise LocalLLMError("awq needs calibration text: pass --calib FILE")
         calib = calibration_samples(ckpt.tokenizer, calib_file, args.calib_tokens)
         say(f"calibrating on {calib_file} ({sum(len(c) for c in calib)} tokens)")
-    t0 = time.perf_counter()
-    say(f"loading {path}")
-    # float32 on the CPU: the searches and the rounding see the checkpoint's values unrounded
-    model = build_model(ckpt, torch.float32 if dev.type == "cpu" else torch.bfloat16, dev, 2048)
-    before = weight_bytes(model)
-    stage = "awq search: layer" if method == "awq" else "quantizing: linear"
+        # AWQ needs the whole float model: float32 where it fits in half the RAM (the searches
+        # then see the checkpoint's values unrounded), else bfloat16
+        fp32_fits = ckpt.config.num_params * 4 < psutil.virtual_memory().available // 2
+        dtype = torch.float32 if dev.type == "cpu" and fp32_fits else torch.bfloat16
+        model = build_model(ckpt, dtype, dev, 2048, progress("loading: tensor"))
+        stages = iter(["awq search: layer", "quantizing: linear"])
+        current = [progress(next(stages))]
 
-    def progress(done: int, total: int) -> None:
-        if sys.stderr.isatty() or done == total:
-            end = "\n" if done == total else ""
-            print(f"\r{stage} {done}/{total}", end=end, file=sys.stderr, flush=True)
+        def staged(done: int, total: int) -> None:
+            current[0](done, total)
+            if done == total:
+                current[0] = progress(next(stages, "quantizing: linear"))
 
-    def staged(done: int, total: int) -> None:
-        nonlocal stage
-        progress(done, total)
-        if method == "awq" and done == total and stage.startswith("awq"):
-            stage = "quantizing: linear"
-
-    quantize_model(model, method, progress=staged, group_size=group, calib=calib)
+        quantize_model(model, "awq", progress=staged, group_size=group, calib=calib)
+    else:
+        # Round-to-nearest needs no activations: quantize each linear as it streams in, so the
+        # float model never sits in memory whole.
+        model = build_model(ckpt, torch.bfloat16 if dev.type == "cuda" else torch.float32, dev, 2048,
+                            progress("loading and quantizing: tensor"),
+                            quantize=lambda m: prepare_online(m, method, group))
     save_quantized(model, ckpt, out, method, group)
     size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
-    say(f"{method}{f' (group {group})' if group else ''}: weights {before / 2**20:.1f} MiB -> "
-        f"{weight_bytes(model) / 2**20:.1f} MiB in memory, {size / 2**20:.1f} MiB on disk, "
+    say(f"{method}{f' (group {group})' if group else ''}: {ckpt.config.num_params / 1e6:.0f}M parameters, "
+        f"{weight_bytes(model) / 2**20:.1f} MiB of weights in memory, {size / 2**20:.1f} MiB on disk, "
         f"{time.perf_counter() - t0:.0f} s")
     print(out)
     return 0

@@ -19,6 +19,7 @@ import json
 import ssl
 import sys
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,8 +82,7 @@ class _Tally:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     max_batch: int = 0
-    rate: float = 0.0  # output chunks/s over all requests, smoothed
-    chunk_times: list[float] = field(default_factory=list)
+    chunk_times: deque[float] = field(default_factory=lambda: deque(maxlen=8192))  # for a recent rate
 
 
 class RemoteEngine:
@@ -156,13 +156,12 @@ class RemoteEngine:
     def stats(self) -> EngineStats:
         t = self._tally
         now = time.monotonic()
-        recent = [x for x in t.chunk_times if now - x < 2.0]
-        t.chunk_times = recent
+        recent = sum(1 for x in t.chunk_times if now - x < 2.0)
         running = len(self._flights)
         return EngineStats(
             model=self.model, precision="unknown", device="remote", num_running=running, num_waiting=0,
             batch_size=running, batch_tokens=running, kv_blocks_total=0, kv_blocks_used=0, kv_blocks_cached=0,
-            step_time_s=0.0, generation_tokens_per_s=len(recent) / 2.0 if running else 0.0, num_preemptions=0,
+            step_time_s=0.0, generation_tokens_per_s=recent / 2.0 if running else 0.0, num_preemptions=0,
             prefix_cache_hit_tokens=t.cached_tokens, prompt_tokens=t.prompt_tokens, max_batch_size_seen=t.max_batch,
         )
 

@@ -8,13 +8,14 @@ status bar shows that happening (batch size, KV use, prefix-cache hits).
 from __future__ import annotations
 
 import asyncio
+from contextlib import suppress
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from rich.text import Text
 from textual import work
 from textual.app import App
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 from textual.widgets import Footer, TabbedContent, TabPane
 
 from localllm.errors import LocalLLMError
@@ -31,7 +32,15 @@ from localllm.tui.backend import (
 )
 from localllm.tui.chat import ChatPane, Turn, describe
 from localllm.tui.commands import ChatCommands
-from localllm.tui.screens import ConfirmScreen, HistoryScreen, ProbeScreen, PullScreen, PullState, RenameScreen, SettingsScreen
+from localllm.tui.screens import (
+    ConfirmScreen,
+    HistoryScreen,
+    ProbeScreen,
+    PullScreen,
+    PullState,
+    RenameScreen,
+    SettingsScreen,
+)
 from localllm.tui.widgets import StatusBar
 
 STATUS_HZ = 4  # status figures change slowly; 4 repaints a second are plenty and cheap
@@ -45,14 +54,18 @@ class ChatApp(App[None]):
     CSS_PATH = "app.tcss"
     TITLE = "localllm"
     COMMANDS = App.COMMANDS | {ChatCommands}
-    # ctrl+tab and ctrl+enter often never reach a terminal app, so every tab key has a
-    # fallback; priority because the prompt (a TextArea) would take ctrl+w as delete-word.
-    BINDINGS = [
+    # ctrl+tab often never reaches a terminal app, and some terminals keep ctrl+pageup/down
+    # for their own tabs, so stepping has three keys. alt+digit arrives as alt+digit only
+    # under the kitty keyboard protocol: elsewhere Textual turns ESC+1 into "¡" (macOS
+    # Option-key text), so alt+left/right are the fallback that always arrives. Priority,
+    # because the prompt (a TextArea) would take ctrl+w as delete-word.
+    BINDINGS: ClassVar[list[BindingType]] = [
         Binding("ctrl+t", "new_tab", "New", id="tab.new", priority=True),
         Binding("ctrl+w", "close_tab", "Close", id="tab.close", priority=True),
-        Binding("ctrl+pagedown,ctrl+tab", "next_tab", "Next tab", id="tab.next", show=False, priority=True),
-        Binding("ctrl+pageup,ctrl+shift+tab", "previous_tab", "Previous tab", id="tab.previous", show=False,
+        Binding("ctrl+pagedown,ctrl+tab,alt+right", "next_tab", "Next tab", id="tab.next", show=False,
                 priority=True),
+        Binding("ctrl+pageup,ctrl+shift+tab,alt+left", "previous_tab", "Previous tab", id="tab.previous",
+                show=False, priority=True),
         *_goto_bindings(),
         Binding("f2", "rename_tab", "Rename", id="tab.rename"),
         Binding("ctrl+o", "history", "History", id="app.history"),
@@ -159,10 +172,8 @@ class ChatApp(App[None]):
     @property
     def model_name(self) -> str:
         if self.engine is not None:
-            try:
+            with suppress(Exception):  # a remote engine that lost its server: fall through
                 return str(self.engine.stats().model)
-            except Exception:  # noqa: BLE001
-                pass
         return self.model_request or ""
 
     async def wait_for_engine(self) -> ChatEngine:
@@ -383,10 +394,8 @@ class ChatApp(App[None]):
             label = ("● " if chat.generating else "") + chat.title
             if self._labels.get(pane.id) != label:
                 self._labels[pane.id] = label
-                try:
+                with suppress(Exception):  # a tab being removed
                     self.tabs.get_tab(pane.id).label = label  # type: ignore[assignment]
-                except Exception:  # noqa: BLE001 - a tab being removed
-                    pass
 
     def _activate(self, chat: ChatPane) -> None:
         if chat.parent is not None and chat.parent.id:
@@ -502,12 +511,12 @@ class ChatApp(App[None]):
 
     def copy_text(self, text: str, what: str) -> None:
         self.copy_to_clipboard(text)  # OSC 52: works over SSH, not in macOS Terminal
-        try:
-            import pyperclip  # optional: covers terminals without OSC 52
+        # pyperclip is optional: it covers terminals without OSC 52 (macOS Terminal). Not
+        # installed, or no clipboard at all (headless): OSC 52 alone then.
+        with suppress(Exception):
+            import pyperclip
 
             pyperclip.copy(text)
-        except Exception:  # noqa: BLE001 - not installed, or no clipboard (headless)
-            pass
         self.notify(f"Copied {what} ({len(text)} characters)")
 
     # ---- status ----
@@ -538,7 +547,10 @@ class ChatApp(App[None]):
         kv = float(getattr(s, "kv_usage", 0.0) or 0.0)
         sep = (" │ ", "dim")
         text.append(f" {s.model}", style="bold")
-        text.append(f"  {precision_label(str(getattr(s, 'precision', '?')))}/{getattr(s, 'device', '?')}")
+        precision = precision_label(str(getattr(s, "precision", "") or ""))
+        where = str(getattr(s, "device", "") or "?")
+        # A remote server does not say its precision; "unknown/remote" would be noise.
+        text.append(f"  {precision}/{where}" if precision and precision != "unknown" else f"  {where}")
         text.append(*sep)
         tok_s = chat.last_tok_s if chat is not None else 0.0
         text.append(f"{tok_s:.1f} tok/s")

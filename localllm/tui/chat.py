@@ -13,10 +13,10 @@ import time
 import uuid
 from contextlib import aclosing, suppress
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from textual import work
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 from textual.containers import Vertical
 from textual.timer import Timer
 from textual.worker import Worker, WorkerCancelled, WorkerFailed, WorkerState
@@ -86,12 +86,13 @@ def describe(e: BaseException) -> str:
 
 
 class ChatPane(Vertical):
-    BINDINGS = [
+    BINDINGS: ClassVar[list[BindingType]] = [
         Binding("escape", "stop", "Stop", id="chat.stop"),
         Binding("ctrl+r", "regenerate", "Regenerate", id="chat.regenerate"),
         Binding("alt+e", "edit_last", "Edit last", id="chat.edit_last", show=False),
         Binding("alt+c", "copy_reply", "Copy reply", id="chat.copy_reply", show=False),
-        Binding("alt+b", "copy_code", "Copy code", id="chat.copy_code", show=False),
+        # Not alt+b: terminals send ESC b, which Textual reads as ctrl+left (word left).
+        Binding("alt+k", "copy_code", "Copy code", id="chat.copy_code", show=False),
     ]
 
     def __init__(
@@ -123,7 +124,10 @@ class ChatPane(Vertical):
         yield PromptArea(classes="prompt")
 
     def on_mount(self) -> None:
-        self.messages.scroll_end(animate=False, immediate=False)
+        # A restored chat opens at its end. Its Markdown gets its height only after it has
+        # parsed, so a single scroll_end now would land short; an anchor keeps the view at
+        # the end until the reader scrolls away.
+        self.messages.anchor()
 
     @property
     def messages(self) -> MessageList:

@@ -6,24 +6,39 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from rich.text import Text
 from textual import on, work
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
-from textual.widgets import Button, DataTable, Input, Label, OptionList, ProgressBar, Static, TextArea
+from textual.widgets import (
+    Button,
+    DataTable,
+    Input,
+    Label,
+    OptionList,
+    ProgressBar,
+    Static,
+    TextArea,
+)
 from textual.widgets.option_list import Option
 
-from localllm.tui.backend import PARAM_KEYS, ProbeReport, fmt_bytes, parse_params, probe_report
+from localllm.tui.backend import (
+    PARAM_KEYS,
+    ProbeReport,
+    fmt_bytes,
+    parse_params,
+    probe_report,
+)
 
 if TYPE_CHECKING:
     from localllm.history import History
 
 
 class RenameScreen(ModalScreen[str | None]):
-    BINDINGS = [Binding("escape", "dismiss(None)", "Cancel", id="modal.cancel")]
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "dismiss(None)", "Cancel", id="modal.cancel")]
 
     def __init__(self, title: str) -> None:
         super().__init__(classes="modal")
@@ -41,7 +56,7 @@ class RenameScreen(ModalScreen[str | None]):
 
 
 class ConfirmScreen(ModalScreen[bool]):
-    BINDINGS = [
+    BINDINGS: ClassVar[list[BindingType]] = [
         Binding("escape,n", "dismiss(False)", "No", id="modal.cancel"),
         Binding("y", "dismiss(True)", "Yes", id="modal.confirm"),
     ]
@@ -65,7 +80,7 @@ class ConfirmScreen(ModalScreen[bool]):
 class SettingsScreen(ModalScreen[tuple[str, dict[str, Any]] | None]):
     """A tab's system prompt and sampling parameters; returns (system_prompt, params)."""
 
-    BINDINGS = [
+    BINDINGS: ClassVar[list[BindingType]] = [
         Binding("escape", "dismiss(None)", "Cancel", id="modal.cancel"),
         Binding("ctrl+s", "save", "Save", id="modal.save", priority=True),
     ]
@@ -115,7 +130,7 @@ class HistoryScreen(ModalScreen[int | None]):
     """Past conversations, newest first; typing searches all messages (FTS5). Returns the id
     of the conversation to open. Delete and export act on the highlighted one."""
 
-    BINDINGS = [
+    BINDINGS: ClassVar[list[BindingType]] = [
         Binding("escape", "dismiss(None)", "Close", id="modal.cancel"),
         Binding("down", "move(1)", show=False, priority=True),
         Binding("up", "move(-1)", show=False, priority=True),
@@ -206,7 +221,7 @@ def _when(ts: float) -> str:
 
 
 class ProbeScreen(ModalScreen[None]):
-    BINDINGS = [Binding("escape,q", "dismiss(None)", "Close", id="modal.cancel")]
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape,q", "dismiss(None)", "Close", id="modal.cancel")]
 
     def __init__(self, report: ProbeReport | None = None) -> None:
         super().__init__(classes="modal")
@@ -264,7 +279,7 @@ class PullState:
 
 
 class PullScreen(ModalScreen[PullState]):
-    BINDINGS = [Binding("escape", "hide", "Hide", id="modal.cancel")]
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "hide", "Hide", id="modal.cancel")]
 
     def __init__(self, state: PullState, intro: str = "") -> None:
         super().__init__(classes="modal")

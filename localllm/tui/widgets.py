@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from rich.text import Text
 from textual import events
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 from textual.containers import Vertical, VerticalScroll
 from textual.message import Message
 from textual.widget import Widget
@@ -23,7 +23,7 @@ class PromptArea(TextArea):
     # Not priority bindings: those run when the app *receives* a key, ahead of the keys still
     # queued for this widget, so a fast typist's (or a paste's) trailing enter sent only the
     # first characters. Ordinary bindings run in order; _on_key below lets them see enter.
-    BINDINGS = [
+    BINDINGS: ClassVar[list[BindingType]] = [
         Binding("enter", "submit", "Send", id="chat.send"),
         Binding("shift+enter,ctrl+j", "newline", "Newline", id="chat.newline", show=False),
     ]

@@ -36,6 +36,19 @@ def test_rms_norm_residual(device: str, dtype: torch.dtype) -> None:
     torch.testing.assert_close(out, ref_out, **tol(dtype))
 
 
+def test_rms_norm_fp32_residual_stream(device: str) -> None:
+    """The model keeps its residual stream in fp32 with fp16 weights: the normalised output must
+    come back in the weights' dtype (it feeds a matmul), the residual in fp32."""
+    x = torch.randn(5, 64, device=device).to(torch.float16)
+    res = torch.randn(5, 64, device=device)
+    w = torch.randn(64, device=device).to(torch.float16)
+    out, new_res = rms_norm_triton(x, w, 1e-6, res)
+    ref_out, ref_res = rms_norm_ref(x, w, 1e-6, res)
+    assert out.dtype == ref_out.dtype == torch.float16 and new_res.dtype == ref_res.dtype == torch.float32
+    torch.testing.assert_close(new_res, ref_res)
+    torch.testing.assert_close(out, ref_out, atol=2e-3, rtol=2e-3)
+
+
 def test_rms_norm_empty(device: str) -> None:
     x = torch.randn(0, 64, device=device)
     w = torch.ones(64, device=device)

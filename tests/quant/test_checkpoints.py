@@ -133,3 +133,16 @@ def test_loads_compressed_tensors_fp8(strategy: str, static: bool, tmp_path: Pat
     ref_logits = prefill_logits(load(ref), PROMPT)
     got = prefill_logits(model, PROMPT)
     assert torch.allclose(got, ref_logits, atol=1e-4 * ref_logits.abs().max().item())
+
+
+def test_quantize_cli_awq_folds_scales_and_reloads(tiny_model: Path, calib_text: Path, tmp_path: Path) -> None:
+    out = tmp_path / "awq"
+    assert main(["quantize", str(tiny_model), "--method", "awq", "--calib", str(calib_text), "-o", str(out)]) == 0
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        norm = f.get_tensor("model.layers.0.input_layernorm.weight")
+        assert f.get_tensor("model.layers.0.self_attn.q_proj.scales").dtype == torch.float16
+    with safe_open(str(tiny_model / "model.safetensors"), "pt") as f:
+        original = f.get_tensor("model.layers.0.input_layernorm.weight")
+    assert not torch.allclose(norm.float(), original, rtol=1e-2)  # the activation-aware scales live here
+    model = load(out)
+    assert len(tokens(model)) == 24

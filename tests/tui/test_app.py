@@ -61,6 +61,10 @@ async def test_tab_keys_and_their_fallbacks() -> None:
         assert app.active_chat.id == ids[2]
         await pilot.press("ctrl+tab")
         assert app.active_chat.id == ids[0]
+        await pilot.press("alt+left")
+        assert app.active_chat.id == ids[2]
+        await pilot.press("alt+right")
+        assert app.active_chat.id == ids[0]
         assert app.focused is app.active_chat.prompt  # switching lands in the prompt
         await pilot.press("ctrl+w")
         await pilot.pause()
@@ -130,7 +134,7 @@ async def test_copy_reply_and_code_block() -> None:
         await wait_until(pilot, lambda: not chat.generating)
         await pilot.press("alt+c")
         assert app.clipboard == reply
-        await pilot.press("alt+b")
+        await pilot.press("alt+k")
         assert app.clipboard == "print('hi')"
         app.copy_to_clipboard("")
         await pilot.pause()
@@ -305,3 +309,17 @@ async def test_view_follows_new_text_only_near_the_bottom() -> None:
         await wait_until(pilot, lambda: not chat.generating)
         await pilot.pause(0.2)
         assert view.scroll_y == 0  # the reader was left where they scrolled to
+
+
+async def test_a_restored_long_chat_opens_at_its_end(home: Path) -> None:
+    h = _db(home)
+    c = h.create_conversation("Long", tab_position=0)
+    for i in range(15):
+        h.add_message(c.id, "user", f"question {i}")
+        h.add_message(c.id, "assistant", f"Answer {i}.\n\n- one\n- two\n\nThe end of answer {i}.", "stop")
+    h.close()
+    app = ChatApp(FakeEngine(), probe=False)
+    async with app.run_test(size=SIZE) as pilot:
+        view = app.active_chat.messages
+        await wait_until(pilot, lambda: view.max_scroll_y > 20 and view.max_scroll_y - view.scroll_y <= 2,
+                         timeout=10, what="the view to rest at the end")

@@ -55,7 +55,7 @@ def test_messages_are_on_disk_when_add_returns(tmp_path: Path) -> None:
         h.add_message(c.id, "user", "saved before the kill")
         os._exit(9)  # no close, no cleanup
     """)
-    proc = subprocess.run([sys.executable, "-c", script])
+    proc = subprocess.run([sys.executable, "-c", script], check=False)
     assert proc.returncode == 9
     h = History(path)
     [conv] = h.open_tabs()

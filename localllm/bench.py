@@ -422,7 +422,7 @@ async def bench_chats(target: _Target, opts: BenchOptions, nonce: str) -> list[d
             row: dict[str, Any] = {"n": n, "mix": mix, "modes": {}}
             for mode in modes:
                 # a fresh nonce per mode: no mode reuses another's cached prompts on a remote server
-                reqs = chat_requests(n, mix, opts.rounds, opts.scale, f"{nonce}{mode[0]}")
+                reqs = chat_requests(n, mix, opts.rounds, opts.scale, f"{nonce}-{mode}")
                 row["requests"] = len(reqs)
                 row["output_lengths"] = sorted({r.max_tokens for r in reqs})
                 _say(opts, f"chats N={n} {mix}: {mode} ({len(reqs)} requests, "
@@ -450,7 +450,7 @@ async def bench_rag(target: _Target, opts: BenchOptions, nonce: str) -> dict[str
     result: dict[str, Any] = {"modes": {}}
     for mode in _cache_modes(target, opts):
         system = "Answer the user's question from this document.\n\n" + document(
-            target, opts.rag_tokens, f"{nonce}{mode[0]}")
+            target, opts.rag_tokens, f"{nonce}-{mode}")
         reqs = [BenchRequest([{"role": "system", "content": system},
                               {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
                              _scaled(32, opts.scale)) for i in range(opts.questions)]
@@ -482,7 +482,7 @@ async def bench_multiturn(target: _Target, opts: BenchOptions, nonce: str) -> di
             for turn in range(opts.turns):
                 text = TURN_MESSAGES[turn % len(TURN_MESSAGES)]
                 if turn == 0:
-                    text = f"[{nonce}{mode[0]}] {text}"
+                    text = f"[{nonce}-{mode}] {text}"
                 messages.append({"role": "user", "content": text})
                 r = await _one(target, BenchRequest(list(messages), reply_tokens), run.rid())
                 run.results.append(r)

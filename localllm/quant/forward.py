@@ -89,8 +89,13 @@ def prefill_logits(model: LlamaForCausalLM, ids: Sequence[int]) -> torch.Tensor:
 @dataclass(slots=True)
 class Generation:
     tokens: list[list[int]]
-    decode_seconds: float  # wall time of the decode steps (after the prefill)
-    decode_steps: int
+    step_seconds: list[float]  # wall time of each decode step (after the prefill)
+
+    @property
+    def median_step(self) -> float:
+        """Robust to the bursts of foreign load on shared machines, unlike the mean."""
+        ordered = sorted(self.step_seconds)
+        return ordered[len(ordered) // 2] if ordered else float("nan")
 
 
 @torch.inference_mode()
@@ -108,18 +113,18 @@ def greedy_generate(model: LlamaForCausalLM, prompts: Sequence[Sequence[int]], m
     tables = b.meta.block_tables
     seq_lens = b.meta.seq_lens.clone()
     qsl = torch.arange(len(prompts) + 1, dtype=torch.int32, device=dev)
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
+    steps: list[float] = []
     for _ in range(max_new - 1):
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
         positions = seq_lens.long()  # the new token's position = tokens already cached
         block = tables.gather(1, (positions // BLOCK_SIZE).unsqueeze(1).to(torch.int64)).squeeze(1)
         slots = block.long() * BLOCK_SIZE + positions % BLOCK_SIZE
         seq_lens = seq_lens + 1
         meta = AttentionMetadata(slots, qsl, seq_lens, tables, len(prompts))
         nxt = model.compute_logits(model(nxt, positions, meta)).argmax(-1)
-        for seq, t in zip(out, nxt.tolist()):
+        for seq, t in zip(out, nxt.tolist()):  # .tolist() waits for the step to finish
             seq.append(int(t))
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-    return Generation(out, time.perf_counter() - start, max_new - 1)
+        steps.append(time.perf_counter() - start)
+    return Generation(out, steps)

@@ -124,10 +124,7 @@ class ChatPane(Vertical):
         yield PromptArea(classes="prompt")
 
     def on_mount(self) -> None:
-        # A restored chat opens at its end. Its Markdown gets its height only after it has
-        # parsed, so a single scroll_end now would land short; an anchor keeps the view at
-        # the end until the reader scrolls away.
-        self.messages.anchor()
+        self.messages.follow_end()  # a restored chat opens at its end
 
     @property
     def messages(self) -> MessageList:
@@ -227,11 +224,9 @@ class ChatPane(Vertical):
             return  # a hidden tab keeps buffering; it paints when shown
         chunk = "".join(reply.pending)
         reply.pending.clear()
-        follow = self.messages.near_bottom()
         await reply.view.write(chunk)
-        if follow:
-            self.messages.follow = True
-            self.messages.follow_end()
+        # follow is read after the write: the reader may have scrolled away meanwhile.
+        self.messages.follow_end()
 
     def _settle(self, reply: Reply, finish_reason: str) -> None:
         """The synchronous end of a reply: stop repainting, record the figures, commit."""

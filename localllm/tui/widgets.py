@@ -68,8 +68,12 @@ class MessageList(VerticalScroll):
         # user's), and where it lands decides whether we keep following.
         self.follow = self.max_scroll_y - new_value <= NEAR_BOTTOM_ROWS
 
-    def near_bottom(self) -> bool:
-        return self.follow or self.max_scroll_y - self.scroll_y <= NEAR_BOTTOM_ROWS
+    def on_resize(self, event: events.Resize) -> None:
+        # Sent when the content height changes too. That is the moment to stay at the end:
+        # Markdown parses off the event loop, and a hidden tab has no layout at all until it
+        # is shown, so a scroll requested earlier lands short. (Textual's anchor() was tried:
+        # it left scroll_y negative when a Markdown shrank after its first layout.)
+        self.follow_end()
 
     def follow_end(self) -> None:
         if self.follow:

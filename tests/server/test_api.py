@@ -87,6 +87,17 @@ def test_seed_reproducible_and_n_choices(client: openai.OpenAI) -> None:
     assert pair[0] != pair[1]  # ten tokens at temperature 1: different seeds, different text
 
 
+def test_streaming_n_choices_with_logprobs(client: openai.OpenAI) -> None:
+    chunks = list(client.chat.completions.create(
+        model="any", messages=QUESTION, temperature=1.0, seed=3, n=2, max_tokens=4, stream=True, logprobs=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    ))
+    finishes = {c.choices[0].index: c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason}
+    assert finishes == {0: "length", 1: "length"}
+    counted = sum(len(c.choices[0].logprobs.content) for c in chunks if c.choices and c.choices[0].logprobs)
+    assert counted == 8 and chunks[-1].usage.completion_tokens == 8
+
+
 def test_max_completion_tokens_ignore_eos_and_extensions(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(
         model="any", messages=QUESTION, temperature=0.8, top_p=0.9, max_completion_tokens=7, seed=1,

@@ -38,14 +38,19 @@ def _all_blocks_free(engine) -> bool:
 
 
 async def test_two_tabs_stream_at_once_in_one_batch(engine):
-    app = ChatApp(engine, probe=False, default_params={"temperature": 0.0, "max_tokens": 24, "ignore_eos": True})
+    app = ChatApp(engine, probe=False, default_params={"temperature": 0.0, "max_tokens": 32, "ignore_eos": True})
     async with app.run_test(size=SIZE) as pilot:
         first = app.active_chat
-        await send(pilot, first, "Tell me a story about a cat.")
         await pilot.press("ctrl+t")
         await wait_until(pilot, lambda: len(app.chats()) == 2, what="a second tab")
         second = app.active_chat
         assert second is not first
+        # Both prompts go out back to back, as a user switching tabs would send them.
+        await pilot.press("alt+left")
+        assert app.active_chat is first
+        await send(pilot, first, "Tell me a story about a cat.")
+        await pilot.press("alt+right")
+        assert app.active_chat is second
         await send(pilot, second, "Tell me a story about a dog.")
 
         batch_seen, status_batch_2 = 0, False

@@ -7,10 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from textual.widgets import TextArea
+from textual.widgets import Markdown, TextArea
 
 from localllm.history import History
 from localllm.tui.app import ChatApp
+from localllm.tui.screens import HistoryScreen, SettingsScreen
+from tests.tui.conftest import wait_until
 from tests.tui.fakes import FakeEngine
 
 SIZE = (100, 30)
@@ -44,9 +46,21 @@ def saved_chat(home: Path) -> None:
 
 
 async def _still(pilot) -> None:
-    for area in pilot.app.query(TextArea):
+    """Waits until every Markdown has parsed (it parses in a thread, so a loaded machine
+    can otherwise snap a half-built screen), then stops the cursors blinking."""
+    app = pilot.app
+    await wait_until(pilot, lambda: all(md.children for md in app.query(Markdown)), timeout=20,
+                     what="the Markdown to render")
+    for area in app.query(TextArea):
         area.cursor_blink = False
     await pilot.pause()
+
+
+async def _open(pilot, key: str, screen: type) -> None:
+    await _still(pilot)
+    await pilot.press(key)
+    await wait_until(pilot, lambda: isinstance(pilot.app.screen, screen), timeout=20, what=screen.__name__)
+    await _still(pilot)
 
 
 def _app() -> ChatApp:
@@ -59,16 +73,14 @@ def test_chat_loaded_from_history(snap_compare, saved_chat) -> None:
 
 def test_history_screen(snap_compare, saved_chat) -> None:
     async def open_history(pilot) -> None:
-        await pilot.press("ctrl+o")
-        await _still(pilot)
+        await _open(pilot, "ctrl+o", HistoryScreen)
 
     assert snap_compare(_app(), terminal_size=SIZE, run_before=open_history)
 
 
 def test_settings_screen(snap_compare, saved_chat) -> None:
     async def open_settings(pilot) -> None:
-        await pilot.press("ctrl+s")
-        await _still(pilot)
+        await _open(pilot, "ctrl+s", SettingsScreen)
 
     assert snap_compare(_app(), terminal_size=SIZE, run_before=open_settings)
 

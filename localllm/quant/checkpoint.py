@@ -89,6 +89,8 @@ def _matches(pattern: str, name: str) -> bool:
 
 
 def _ct_method(group_name: str, group: dict[str, Any], fmt: str | None) -> str:
+    """The method of a config group; "fp8-weight-only" is FP8 weights without activation
+    quantization (no ``input_activations``), loaded as ``fp8`` with float activations."""
     weights = group.get("weights") or {}
     acts = group.get("input_activations")
     where = f"config.json: compressed-tensors group {group_name!r}"
@@ -106,7 +108,7 @@ def _ct_method(group_name: str, group: dict[str, Any], fmt: str | None) -> str:
     if acts is not None and acts.get("strategy") not in ("token", "tensor"):
         raise LocalLLMError(f"{where}: activation strategy {acts.get('strategy')!r} is not supported (token, tensor)")
     if weights["type"] == "float":
-        return "fp8"
+        return "fp8" if acts is not None else "fp8-weight-only"
     return "int8" if acts is None else "int8-w8a8"
 
 
@@ -133,7 +135,12 @@ def _plan_compressed_tensors(model: nn.Module, qcfg: dict[str, Any]) -> Iterator
         if len(methods) > 1:
             raise LocalLLMError(f"config.json: the shards of {name} ({', '.join(shards)}) mix quantization schemes")
         (method,) = methods
-        yield name, _new_module(lin, lambda i, o, sizes, b, m=method: make_quant_linear(m, i, o, sizes, b))
+        weight_only = method == "fp8-weight-only"
+        module = _new_module(lin, lambda i, o, sizes, b, m="fp8" if weight_only else method:
+                             make_quant_linear(m, i, o, sizes, b))
+        if weight_only:
+            module.weight_only = True  # type: ignore[attr-defined]
+        yield name, module
 
 
 # ---------------------------------------------------------------- writing

@@ -40,6 +40,8 @@ class FP8Linear(ChannelScaledLinear):
 
     method = "fp8"
     storage_dtype = FP8_DTYPE
+    # A checkpoint without input_activations is FP8 W8A16: keep activations float everywhere.
+    weight_only = False
 
     def set_weight(self, weight: torch.Tensor) -> None:
         q, s = quantize_fp8_per_channel(weight.to(self.weight.device))
@@ -56,7 +58,7 @@ class FP8Linear(ChannelScaledLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if x.device.type == "cpu":
+        if x.device.type == "cpu" or self.weight_only:
             y = self._dequant_matmul(x2)
         else:  # the kernel quantizes activations per token; below sm89 it runs its reference
             y = fp8_w8a8_gemm(x2, self.weight, self.weight_scale)

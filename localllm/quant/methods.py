@@ -110,9 +110,13 @@ def prepare_online(model: nn.Module, method: str, group_size: int | None = None)
     if method == "none":
         return
     if method == "awq":
-        print("localllm: note: awq at load time has no calibration data and rounds to nearest (rtn4); "
-              "`localllm quantize --method awq` makes the activation-aware checkpoint", file=sys.stderr)
+        _note_uncalibrated()
     _swap(model, method, online=True, group_size=group_size)
+
+
+def _note_uncalibrated() -> None:
+    print("localllm: note: awq without calibration text rounds to nearest (rtn4); "
+          "`localllm quantize --method awq` makes the activation-aware checkpoint", file=sys.stderr)
 
 
 def quantize_model(
@@ -125,17 +129,18 @@ def quantize_model(
     """Quantizes a loaded float model in place, one linear at a time (each float weight is
     freed as its quantized replacement lands, so peak memory grows by one linear).
 
-    ``calib`` (token-id sequences) is required by ``awq``, which first rescales and clips the
-    float weights on activations from those sequences; ``progress(done, total)`` counts
-    decoder layers for that search, then linears.
+    ``awq`` first rescales and clips the float weights on activations from ``calib`` (token-id
+    sequences); without ``calib`` it rounds to nearest, like ``prepare_online``, so a planner
+    that picks awq for a float checkpoint still loads. ``progress(done, total)`` counts
+    decoder layers for the search, then linears.
     """
     method = check_method(method)
     if method == "none":
         return
     g = int4_group_size(model, group_size) if _CLASSES[method] is AWQLinear else None
-    if method == "awq":
-        if calib is None or len(calib) == 0:
-            raise LocalLLMError("awq needs calibration text (--calib FILE); rtn4 quantizes without it")
+    if method == "awq" and (calib is None or len(calib) == 0):
+        _note_uncalibrated()
+    elif method == "awq":
         from localllm.quant.awq_search import awq_search
 
         assert g is not None

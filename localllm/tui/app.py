@@ -8,9 +8,10 @@ status bar shows that happening (batch size, KV use, prefix-cache hits).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from rich.text import Text
 from textual import work
@@ -43,6 +44,8 @@ from localllm.tui.screens import (
 )
 from localllm.tui.widgets import StatusBar
 
+T = TypeVar("T")
+
 STATUS_HZ = 4  # status figures change slowly; 4 repaints a second are plenty and cheap
 
 
@@ -51,7 +54,8 @@ def _goto_bindings() -> list[Binding]:
 
 
 class ChatApp(App[None]):
-    CSS_PATH = "app.tcss"
+    # Absolute: a relative CSS_PATH resolves beside the module of whatever subclass runs.
+    CSS_PATH = Path(__file__).with_name("app.tcss")
     TITLE = "localllm"
     COMMANDS = App.COMMANDS | {ChatCommands}
     # ctrl+tab often never reaches a terminal app, and some terminals keep ctrl+pageup/down
@@ -121,9 +125,9 @@ class ChatApp(App[None]):
         for problem in self.config.problems:
             self.notify(problem, severity="warning", timeout=10)
         restored = 0
-        for conv in self.history.open_tabs():
-            await self.open_conversation(conv.id, activate=False)
-            restored += 1
+        for conv in self.history_call("read the open tabs", self.history.open_tabs) or []:
+            if await self.open_conversation(conv.id, activate=False) is not None:
+                restored += 1
         if not restored:
             await self.new_tab()
         else:
@@ -149,6 +153,15 @@ class ChatApp(App[None]):
                 self.notify(f"History unavailable, this session is not saved: {e}", severity="error", timeout=20)
                 self._history = History(Path(":memory:"))
         return self._history
+
+    def history_call(self, doing: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:
+        """Runs a history operation; a failure (disk full, a locked or damaged file) is shown
+        and the chat goes on without it."""
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001
+            self.notify(f"Could not {doing}: {e}", severity="error", timeout=10)
+            return None
 
     async def stop_all(self) -> None:
         for chat in self.chats():
@@ -365,10 +378,11 @@ class ChatApp(App[None]):
                 if activate:
                     self._activate(chat)
                 return chat
-        conv = self.history.get_conversation(conversation_id)
-        if conv is None:
+        conv = self.history_call("open the chat", self.history.get_conversation, conversation_id)
+        stored = self.history_call("read the chat", self.history.messages, conversation_id) if conv else None
+        if conv is None or stored is None:
             return None
-        turns = [Turn(m.role, m.content, m.id, m.finish_reason, m.meta) for m in self.history.messages(conv.id)]
+        turns = [Turn(m.role, m.content, m.id, m.finish_reason, m.meta) for m in stored]
         chat = await self.new_tab(title=conv.title, system_prompt=conv.system_prompt, params=conv.params,
                                   conversation=conv, turns=turns, activate=activate)
         self.save_open_tabs()
@@ -457,7 +471,8 @@ class ChatApp(App[None]):
             chat.title = name
             self.retitle(chat)
             if chat.conversation is not None:
-                self.history.update_conversation(chat.conversation.id, title=name)
+                self.history_call("rename the chat", self.history.update_conversation, chat.conversation.id,
+                                  title=name)
 
         self.push_screen(RenameScreen(chat.title), rename)
 
@@ -484,7 +499,7 @@ class ChatApp(App[None]):
         for chat in self.chats():
             if chat.conversation is not None and chat.conversation.id == conversation_id:
                 await self.close_chat(chat)
-        self.history.delete_conversation(conversation_id)
+        self.history_call("delete the chat", self.history.delete_conversation, conversation_id)
         self.save_open_tabs()
 
     def action_export_chat(self) -> None:

@@ -55,6 +55,7 @@ class Reply:
     cached_tokens: int = 0
     tok_s: float = 0.0
     first_token_time: float | None = None
+    settled: bool = False  # committed to history; Esc during the final render must not commit twice
 
     def add(self, out: Any) -> None:
         completion = out.outputs[0]
@@ -142,19 +143,15 @@ class ChatPane(Vertical):
 
     def on_prompt_area_submitted(self, event: PromptArea.Submitted) -> None:
         event.stop()
-        text = event.text.strip()
-        if not text:
-            return
         if self.generating:
+            event.prompt.restore(event.text)
             self.notify("Still replying: Esc stops it.", severity="warning")
             return
-        if not self._commit("user", text):
-            return
-        event.prompt.clear()
+        self._commit("user", event.text.strip())
         self._start()
 
     def _commit(self, role: str, content: str, finish_reason: str | None = None,
-                meta: dict[str, Any] | None = None, view: MessageView | None = None) -> bool:
+                meta: dict[str, Any] | None = None, view: MessageView | None = None) -> None:
         """Writes a message to history at once (durability: a kill after this loses nothing),
         then shows it. History failing is reported and the chat goes on in memory."""
         history = self.chat_app.history
@@ -179,7 +176,6 @@ class ChatPane(Vertical):
             self.messages.follow_end()
         else:
             view.message_id = turn.message_id
-        return True
 
     def prompt_messages(self) -> list[dict[str, str]]:
         msgs = [{"role": "system", "content": self.system_prompt}] if self.system_prompt.strip() else []
@@ -193,12 +189,14 @@ class ChatPane(Vertical):
     async def _generate(self) -> None:
         app = self.chat_app
         view = MessageView("assistant", "")
-        await self.messages.mount(view)
-        self.messages.follow_end()
         reply = Reply(view, f"{self.id or 'chat'}-{uuid.uuid4().hex[:12]}")
         self.reply = reply
-        view.begin()
         try:
+            await self.messages.mount(view)
+            self.messages.follow_end()
+            view.begin()
+            if app.engine is None and app.loading:
+                self.notify("The model is still loading; the reply starts when it is ready.")
             engine = await app.wait_for_engine()
             params = sampling_params(self.params)
             self._flush_timer = self.set_interval(FRAME_S, self._flush)
@@ -210,9 +208,9 @@ class ChatPane(Vertical):
         except asyncio.CancelledError:
             # Esc or closing the tab: the engine request is already aborted (aclosing closed
             # the stream, whose finally aborts it); keep and save what came so far.
-            self._settle(reply, "abort")
+            self._settle(reply, "abort")  # a no-op if Esc came during the final render
             if self.is_attached:
-                self.call_later(self._final_render, reply, "abort")
+                self.call_later(self._final_render, reply, reply.finish_reason or "abort")
             raise
         except Exception as e:  # noqa: BLE001 - errors stay inside this tab
             await self._finish(reply, "error")
@@ -230,6 +228,9 @@ class ChatPane(Vertical):
 
     def _settle(self, reply: Reply, finish_reason: str) -> None:
         """The synchronous end of a reply: stop repainting, record the figures, commit."""
+        if reply.settled:
+            return
+        reply.settled = True
         if self._flush_timer is not None:
             self._flush_timer.stop()
             self._flush_timer = None

@@ -160,6 +160,14 @@ class HistoryScreen(ModalScreen[int | None]):
     def refresh_list(self, query: str) -> None:
         options = self.query_one(OptionList)
         options.clear_options()
+        try:
+            self._fill(options, query)
+        except Exception as e:  # noqa: BLE001 - a damaged index must not close the app
+            self.notify(f"History unavailable: {e}", severity="error")
+        if options.option_count:
+            options.highlighted = 0
+
+    def _fill(self, options: OptionList, query: str) -> None:
         if query.strip():
             for hit in self.history.search(query):
                 label = Text.assemble((hit.title, "bold"), "  ", (_when(hit.updated), "dim"), "\n  ", hit.snippet)
@@ -169,8 +177,6 @@ class HistoryScreen(ModalScreen[int | None]):
                 label = Text.assemble((c.title, "bold"), "  ",
                                       (f"{_when(c.updated)} · {c.num_messages} messages", "dim"))
                 options.add_option(Option(label, id=str(c.id)))
-        if options.option_count:
-            options.highlighted = 0
 
     def _selected(self) -> int | None:
         options = self.query_one(OptionList)

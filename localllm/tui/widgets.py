@@ -20,13 +20,16 @@ class PromptArea(TextArea):
     """Multi-line input. Enter sends; shift+enter or ctrl+j inserts a newline. Many terminals
     send shift+enter as plain enter, so ctrl+j is the newline key that always arrives."""
 
-    # Not priority bindings: those run when the app *receives* a key, ahead of the keys still
-    # queued for this widget, so a fast typist's (or a paste's) trailing enter sent only the
-    # first characters. Ordinary bindings run in order; _on_key below lets them see enter.
+    # The keys are bindings (so a keymap can move them) but they run from _on_key, in order
+    # with the text. A priority binding runs when the app *receives* a key, ahead of the keys
+    # still queued here; an ordinary one runs when the key has bubbled up to the app, after
+    # later keys were inserted. Either way a fast burst (a paste, quick typing) got "abcd"
+    # for "ab", ctrl+j, "cd", or sent only part of the text.
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("enter", "submit", "Send", id="chat.send"),
         Binding("shift+enter,ctrl+j", "newline", "Newline", id="chat.newline", show=False),
     ]
+    _OWN_ACTIONS = ("submit", "newline")
 
     class Submitted(Message):
         def __init__(self, prompt: PromptArea, text: str) -> None:
@@ -38,18 +41,28 @@ class PromptArea(TextArea):
         super().__init__(soft_wrap=True, show_line_numbers=False, tab_behavior="focus", **kwargs)
 
     async def _on_key(self, event: events.Key) -> None:
-        # TextArea inserts a newline for enter and swallows the key. When enter (or whatever the
-        # keymap put there) is bound to send or newline on this widget, let the key bubble to
-        # the binding check instead.
-        active = self.screen.active_bindings.get(event.key)
-        if active is not None and active.node is self and active.binding.action in ("submit", "newline"):
-            event.prevent_default()  # skips TextArea._on_key; bubbling resets it for the bindings
+        active = self.screen.active_bindings.get(event.key)  # the keymap is applied here
+        if active is not None and active.node is self and active.binding.action in self._OWN_ACTIONS:
+            event.stop()
+            event.prevent_default()  # skips TextArea._on_key, which would insert a newline
+            await self.run_action(active.binding.action)
 
     def action_submit(self) -> None:
-        self.post_message(self.Submitted(self, self.text))
+        """Hands the text over and clears the prompt now, so keys typed after the send start
+        the next message instead of being wiped when the send is handled."""
+        text = self.text
+        if not text.strip():
+            return
+        self.clear()
+        self.post_message(self.Submitted(self, text))
 
     def action_newline(self) -> None:
         self.insert("\n")
+
+    def restore(self, text: str) -> None:
+        """Puts back a message that could not be sent, ahead of anything typed since."""
+        self.text = text + self.text
+        self.move_cursor(self.document.end)
 
 
 class MessageList(VerticalScroll):

@@ -105,9 +105,16 @@ def test_unknown_method_in_api(tiny_model: Path) -> None:
     with pytest.raises(LocalLLMError) as e:
         quantize_model(model, "int3")
     _one_line(e, "'int3'", "int8", "awq")
-    with pytest.raises(LocalLLMError) as e:
-        quantize_model(model, "awq")
-    _one_line(e, "--calib")
+
+
+
+def test_awq_without_calibration_rounds_to_nearest(tiny_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ckpt = open_checkpoint(tiny_model)
+    awq, rtn = (build_model(ckpt, torch.float32, CPU, 64) for _ in range(2))
+    quantize_model(awq, "awq")
+    quantize_model(rtn, "rtn4")
+    assert "rounds to nearest" in capsys.readouterr().err
+    assert torch.equal(awq.model.layers[0].mlp.down_proj.qweight, rtn.model.layers[0].mlp.down_proj.qweight)
 
 
 def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+from textual import events
 from textual.widgets import Input, TextArea
 from textual.widgets.markdown import MarkdownFence
 
@@ -36,14 +37,20 @@ async def test_enter_sends_and_ctrl_j_or_shift_enter_insert_newlines() -> None:
         assert engine.prompts[-1] == [{"role": "user", "content": "a\nb\nc"}]
 
 
-async def test_text_typed_fast_then_enter_is_sent_whole() -> None:
-    """Keys queue up; the send must see every character typed before it."""
-    app = ChatApp(FakeEngine("ok"), probe=False)
+async def test_keys_in_one_burst_keep_their_order() -> None:
+    """A terminal delivers a paste or fast typing as one burst of key events, the way the
+    driver posts them here. The newline and the send must act in order with the text."""
+    engine = FakeEngine("ok")
+    app = ChatApp(engine, probe=False)
     async with app.run_test(size=SIZE) as pilot:
         chat = app.active_chat
-        await pilot.press(*"hello world", "enter")
+        burst = [("a", "a"), ("b", "b"), ("ctrl+j", "\n"), ("c", "c"), ("d", "d"), ("enter", "\r"),
+                 ("x", "x")]
+        for key, character in burst:
+            app.post_message(events.Key(key, character))
         await wait_until(pilot, lambda: len(chat.turns) == 2)
-        assert chat.turns[0].content == "hello world" and chat.prompt.text == ""
+        assert chat.turns[0].content == "ab\ncd"
+        assert chat.prompt.text == "x"  # typed after the send: kept for the next message
 
 
 async def test_tab_keys_and_their_fallbacks() -> None:

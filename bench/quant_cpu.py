@@ -26,9 +26,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from localllm.quant.methods import make_quant_linear
 from localllm.quant.fp8 import FP8_DTYPE, FP8_MAX
 from localllm.quant.linear import QuantLinear
+from localllm.quant.methods import make_quant_linear
 
 # (name, in, out) of SmolLM2-135M's linears
 SHAPES = [("qkv", 576, 960), ("o", 576, 576), ("gate_up", 576, 3072), ("down", 1536, 576)]
@@ -53,6 +53,35 @@ def quantized(method: str, w: torch.Tensor) -> QuantLinear:
     return m
 
 
+def measure(x: torch.Tensor, w: torch.Tensor, reps: int) -> dict[str, float]:
+    """Seconds per call of every path for ``x @ w.T``."""
+    w_bf16, x_bf16 = w.bfloat16(), x.bfloat16()
+    i8, w8a8, i4, f8 = (quantized(m, w) for m in ("int8", "int8-w8a8", "rtn4", "fp8"))
+    scale_bf16 = i8.weight_scale.bfloat16()
+    s_w = f8.weight_scale.reshape(1, -1)
+
+    def scaled_mm() -> torch.Tensor:
+        s_x = x.abs().amax(-1, keepdim=True).clamp(min=1e-10) / FP8_MAX
+        xq = (x / s_x).to(FP8_DTYPE)
+        return torch._scaled_mm(xq, f8.weight.t(), scale_a=s_x, scale_b=s_w, out_dtype=torch.float32)
+
+    calls: dict[str, Callable[[], object]] = {
+        "fp32": lambda: F.linear(x, w),
+        "bf16": lambda: F.linear(x_bf16, w_bf16),
+        "int8 pack": lambda: torch.ops.aten._weight_int8pack_mm(x_bf16, i8.weight, scale_bf16),
+        "int8 up-bf16": lambda: i8._dequant_matmul(x, torch.bfloat16),
+        "int8 up-fp32": lambda: i8._dequant_matmul(x, torch.float32),
+        "w8a8 int_mm": lambda: w8a8(x),
+        "int4 pack": lambda: i4(x),
+        "int4 unpack": lambda: F.linear(x, i4.dequantize()),
+        "fp8 lut": lambda: f8._dequant_matmul(x),
+        "fp8 cast": lambda: F.linear(x, f8.weight.float()) * f8.weight_scale,
+        "fp8 scaled_mm": scaled_mm,
+    }
+    with torch.inference_mode():
+        return {c: timeit(fn, reps if "scaled_mm" not in c else max(5, reps // 5)) for c, fn in calls.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description="CPU paths of the quantized linears")
     ap.add_argument("--m", default="1,16,128", help="rows of x (tokens in the step)")
@@ -67,35 +96,8 @@ def main() -> None:
     print(f"{'shape':>8} {'M':>4} " + " ".join(f"{c:>15}" for c in cols))
     for name, k, n in SHAPES:
         w = torch.randn(n, k) * 0.02
-        w_bf16 = w.bfloat16()
-        i8, w8a8, i4, f8 = (quantized(m, w) for m in ("int8", "int8-w8a8", "rtn4", "fp8"))
-        scale_bf16 = i8.weight_scale.bfloat16()
-        s_w = f8.weight_scale.reshape(1, -1)
         for rows in (int(v) for v in args.m.split(",")):
-            x = torch.randn(rows, k)
-            x_bf16 = x.bfloat16()
-
-            def scaled_mm(x: torch.Tensor = x) -> torch.Tensor:
-                s_x = x.abs().amax(-1, keepdim=True).clamp(min=1e-10) / FP8_MAX
-                xq = (x / s_x).to(FP8_DTYPE)
-                return torch._scaled_mm(xq, f8.weight.t(), scale_a=s_x, scale_b=s_w, out_dtype=torch.float32)
-
-            calls: dict[str, Callable[[], object]] = {
-                "fp32": lambda: F.linear(x, w),
-                "bf16": lambda: F.linear(x_bf16, w_bf16),
-                "int8 pack": lambda: torch.ops.aten._weight_int8pack_mm(x_bf16, i8.weight, scale_bf16),
-                "int8 up-bf16": lambda: i8._dequant_matmul(x, torch.bfloat16),
-                "int8 up-fp32": lambda: i8._dequant_matmul(x, torch.float32),
-                "w8a8 int_mm": lambda: w8a8(x),
-                "int4 pack": lambda: i4(x),
-                "int4 unpack": lambda: F.linear(x, i4.dequantize()),
-                "fp8 lut": lambda: f8._dequant_matmul(x),
-                "fp8 cast": lambda: F.linear(x, f8.weight.float()) * f8.weight_scale,
-                "fp8 scaled_mm": scaled_mm,
-            }
-            with torch.inference_mode():
-                t = {c: timeit(fn, args.reps if "scaled_mm" not in c else max(5, args.reps // 5))
-                     for c, fn in calls.items()}
+            t = measure(torch.randn(rows, k), w, args.reps)
             base = t["fp32"]
             print(f"{name:>8} {rows:>4} " + " ".join(f"{t[c] * 1e6:>7.0f} ({t[c] / base:4.2f})" for c in cols),
                   flush=True)

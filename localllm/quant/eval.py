@@ -24,6 +24,7 @@ import torch
 from localllm.errors import LocalLLMError
 from localllm.models.llama import LlamaForCausalLM
 from localllm.models.loader import Checkpoint, build_model, open_checkpoint
+from localllm.quant.forward import greedy_generate, prefill_logits
 from localllm.quant.methods import (
     METHODS,
     check_method,
@@ -32,7 +33,6 @@ from localllm.quant.methods import (
     quantize_model,
     weight_bytes,
 )
-from localllm.quant.forward import greedy_generate, prefill_logits
 from localllm.tokenizer import Tokenizer
 
 DEFAULT_CALIB = Path("/usr/share/common-licenses/Apache-2.0")

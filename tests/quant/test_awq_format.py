@@ -57,7 +57,7 @@ def test_quantize_int4_codes_in_range_and_exact_on_grid() -> None:
     codes[:, 0], codes[:, 1] = 0, 15  # each group spans the full range
     codes[:, 32], codes[:, 33] = 0, 15
     w = (codes.float() - 3) * scale
-    q, s, z = quantize_int4(w, 32)
+    q, _, _ = quantize_int4(w, 32)
     assert int(q.min()) >= 0 and int(q.max()) <= 15
     assert torch.equal(fake_quant_int4(w, 32), w)
 

@@ -13,7 +13,7 @@ from localllm.quant.methods import make_quant_linear
 METHODS = ["int8", "int8-w8a8", "fp8", "rtn4"]
 
 
-def _module(method: str, w: torch.Tensor, sizes: list[int] | None = None, bias: torch.Tensor | None = None):  # noqa: ANN202
+def _module(method: str, w: torch.Tensor, sizes: list[int] | None = None, bias: torch.Tensor | None = None):
     m = make_quant_linear(method, w.shape[1], w.shape[0], sizes, bias is not None, group_size=32)
     m.set_weight(w)
     if bias is not None:
@@ -78,7 +78,7 @@ def test_fp8_table_upcast_matches_torch_cast(weight: torch.Tensor) -> None:
     m = _module("fp8", weight)
     assert isinstance(m, FP8Linear) and m.weight.dtype == FP8_DTYPE
     assert torch.equal(m._upcast(torch.float32), m.weight.float())
-    q, s = quantize_fp8_per_channel(torch.tensor([[1000.0, -3.0], [0.0, 0.0]]))
+    q, _ = quantize_fp8_per_channel(torch.tensor([[1000.0, -3.0], [0.0, 0.0]]))
     assert not torch.isnan(q.float()).any() and q.float()[0, 0] == 448.0
 
 

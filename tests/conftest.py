@@ -2,6 +2,8 @@
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# OpenMP's spin-wait makes a loaded 2-core machine crawl (tests/quant: 104 s -> 6 s).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub here; the store falls back to PyPI
 
 from pathlib import Path  # noqa: E402

@@ -437,12 +437,14 @@ def load_model(
         from localllm.quant import prepare_for_checkpoint
 
         swap = lambda m: prepare_for_checkpoint(m, cfg.quantization)  # noqa: E731
+    elif method:
+        # Online: each linear is quantized as its last shard arrives, so the 16-bit weights
+        # never sit on the device whole.
+        from localllm.quant import prepare_online
+
+        swap = lambda m: prepare_online(m, method)  # noqa: E731
     report = (lambda d, t: progress("loading", d, t)) if progress else None
     model = build_model(ckpt, torch_dtype, dev, max_len, report, swap)
-    if method and not pre_quant:
-        from localllm.quant import quantize_model
-
-        quantize_model(model, method, progress=(lambda d, t: progress("quantizing", d, t)) if progress else None)
     _release_loader_memory()
     return LoadedModel(
         name=name or store.DEFAULT_MODEL, path=path, model=model, tokenizer=ckpt.tokenizer, plan=plan,

@@ -10,7 +10,6 @@ import sys
 import time
 from typing import Any
 
-from localllm.errors import LocalLLMError
 
 
 def _cuda() -> bool:

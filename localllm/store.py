@@ -19,7 +19,7 @@ from pathlib import Path
 
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-from localllm.catalog import DEFAULT_MODEL, CatalogEntry, ModelSource, get_entry
+from localllm.catalog import DEFAULT_MODEL, ModelSource, get_entry
 from localllm.errors import LocalLLMError
 from localllm.paths import models_dir
 
@@ -212,6 +212,3 @@ def _progress() -> Progress:
         transient=False, disable=not sys.stderr.isatty(),
     )
 
-
-def catalog_entry_for(path_or_name: str | None) -> CatalogEntry | None:
-    return get_entry(path_or_name or DEFAULT_MODEL)

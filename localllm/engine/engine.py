@@ -13,7 +13,6 @@ from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 
 from localllm.engine.block_manager import BlockManager
 from localllm.engine.model_runner import ModelRunner
@@ -339,10 +338,6 @@ def _replace(p: SamplingParams, **changes: Any) -> SamplingParams:
     values = {f: getattr(p, f) for f in SamplingParams.__dataclass_fields__}
     values.update(changes)
     return SamplingParams(**values)
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
 __all__ = [

@@ -16,6 +16,7 @@ from localllm.quant.awq import AWQLinear, pick_group_size
 from localllm.quant.fp8 import FP8Linear
 from localllm.quant.int8 import Int8Linear, Int8W8A8Linear
 from localllm.quant.linear import QuantLinear, fused_sizes, iter_linears, replace_module
+from localllm.quant import _API
 
 # method -> what it does; "none" is accepted wherever a method is, and changes nothing
 METHODS: dict[str, str] = {
@@ -36,18 +37,8 @@ _CLASSES: dict[str, type[QuantLinear]] = {
 
 ProgressFn = Callable[[int, int], None]
 
-__all__ = [
-    "METHODS",
-    "QuantLinear",
-    "check_method",
-    "config_group_size",
-    "int4_group_size",
-    "make_quant_linear",
-    "prepare_for_checkpoint",
-    "prepare_online",
-    "quantize_model",
-    "weight_bytes",
-]
+# The public names are listed once, in the package, which must stay importable without torch.
+__all__ = list(_API)
 
 
 def check_method(method: str) -> str:

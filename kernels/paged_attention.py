@@ -42,10 +42,15 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 ScaleArg = float | torch.Tensor | None
 
 
-def _gather_kv(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
-    """[n_blocks] block ids -> the first ``length`` tokens as [KVH, length, D]."""
-    kv = cache[blocks].flatten(0, 1)[:length]
-    return kv.transpose(0, 1)
+def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, block_size, KVH, D] gathered by block ids [..., n] -> [..., n * block_size, KVH, D].
+
+    ``index_select`` copies whole rows; advanced indexing (``cache[tables]``) goes element by
+    element and measured 4-6x slower on CPU, where this gather is most of decode attention.
+    """
+    src = cache.view(torch.uint8) if cache.dtype in FP8_DTYPES else cache  # no fp8 index_select
+    rows = src.index_select(0, tables.reshape(-1)).view(cache.dtype)
+    return rows.view(*tables.shape[:-1], tables.shape[-1] * cache.shape[1], *cache.shape[2:])
 
 
 def _dequant(kv: torch.Tensor, scale: ScaleArg, dtype: torch.dtype) -> torch.Tensor:
@@ -83,16 +88,21 @@ def paged_attention_ref(
         max_len = int(lens.max())
         n_blocks = -(-max_len // block_size)
         tables = block_tables[:num_decodes, :n_blocks]
-        k = k_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)  # [B, KVH, L, D]
-        v = v_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)
+        k = _gather_blocks(k_cache, tables)[:, :max_len].transpose(1, 2)  # [B, KVH, L, D]
+        v = _gather_blocks(v_cache, tables)[:, :max_len].transpose(1, 2)
         if fp8:
             k, v = _dequant(k, k_scale, q.dtype), _dequant(v, v_scale, q.dtype)
-        mask = torch.arange(max_len, device=q.device)[None, :] < lens[:, None]
-        qd = q[:num_decodes].unsqueeze(2).to(k.dtype)  # [B, H, 1, D]
-        o = F.scaled_dot_product_attention(
-            qd, k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
-        )
-        out[:num_decodes] = o.squeeze(2).to(q.dtype)
+        mask = None
+        if int(lens.min()) < max_len:
+            mask = (torch.arange(max_len, device=q.device)[None, :] < lens[:, None])[:, None, None, :]
+        # GQA packing: the query heads of one KV head are the rows of one query block, so each
+        # K/V head is read once (1.7-1.9x faster than SDPA's enable_gqa on CPU, measured)
+        num_heads, head_dim = q.shape[1:]
+        qd = q[:num_decodes].view(num_decodes, k.shape[1], -1, head_dim).to(k.dtype)  # [B, KVH, H/KVH, D]
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale)
+        out[:num_decodes] = o.reshape(num_decodes, num_heads, head_dim).to(q.dtype)
+    if num_decodes == seq_lens.shape[0]:
+        return out
     starts = query_start_loc.tolist()
     lens_list = seq_lens.tolist()
     for b in range(num_decodes, len(lens_list)):
@@ -101,8 +111,8 @@ def paged_attention_ref(
         if n_q == 0:
             continue
         blocks = block_tables[b, : -(-kv_len // block_size)]
-        k = _gather_kv(k_cache, blocks, kv_len).unsqueeze(0)
-        v = _gather_kv(v_cache, blocks, kv_len).unsqueeze(0)
+        k = _gather_blocks(k_cache, blocks)[:kv_len].transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
+        v = _gather_blocks(v_cache, blocks)[:kv_len].transpose(0, 1).unsqueeze(0)
         if fp8:
             k, v = _dequant(k, k_scale, q.dtype), _dequant(v, v_scale, q.dtype)
         qb = q[qs:qe].transpose(0, 1).unsqueeze(0).to(k.dtype)  # [1, H, n_q, D]

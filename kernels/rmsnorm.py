@@ -8,6 +8,7 @@ over memory where eager torch makes four or five.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from localllm.kernels._triton import next_power_of_2, tl, triton, use_triton
 
@@ -23,9 +24,7 @@ def rms_norm_ref(
     if residual is not None:
         x = x + residual
         residual = x
-    xf = x.float()
-    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    out = out.to(weight.dtype) * weight
+    out = F.rms_norm(x.float(), x.shape[-1:], None, eps).to(weight.dtype) * weight
     return out if residual is None else (out, residual)
 
 

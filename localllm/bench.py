@@ -12,7 +12,8 @@ Workloads (issue 3, "Benchmark"):
 - ``multiturn``: one 10-turn chat; TTFT of turn 10 against turn 2.
 
 ``--compare static,sequential`` reruns the chat requests with static batching (batches of N
-start together; the next batch waits for the slowest of the last) and one at a time;
+start together, every row is padded to the batch's longest reply, and the next batch waits
+for the slowest of the last) and one at a time;
 ``nocache`` reruns rag and multiturn with prefix caching off (local engine only). Output
 lengths are fixed with ``ignore_eos``; ``--scale`` shrinks them for quick runs.
 
@@ -211,10 +212,13 @@ class _Target:
         return best
 
 
-async def _one(target: _Target, req: BenchRequest, rid: str) -> RequestResult:
+async def _one(target: _Target, req: BenchRequest, rid: str, pad_to: int | None = None) -> RequestResult:
+    """Runs one request to its end. With ``pad_to`` the request keeps decoding to that many
+    tokens, as a padded row of a static batch does, but only its own ``max_tokens`` count as
+    output; its latency still runs to the padded end, when a static batch hands results back."""
     from localllm.engine.sequence import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=req.max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max(req.max_tokens, pad_to or 0), ignore_eos=True)
     t0 = time.monotonic()
     final = None
     async for out in target.engine.generate(req.prompt, params, rid):
@@ -222,14 +226,15 @@ async def _one(target: _Target, req: BenchRequest, rid: str) -> RequestResult:
     assert final is not None and final.finished
     m = final.metrics
     end = m.finished_time or m.last_token_time or time.monotonic()
+    useful = final.outputs[0].token_ids[: req.max_tokens]
     return RequestResult(
         ttft_s=None if m.first_token_time is None else m.first_token_time - t0,
         latency_s=end - t0,
-        itls=list(m.inter_token_latencies),
-        output_tokens=len(final.outputs[0].token_ids),
+        itls=list(m.inter_token_latencies)[: max(len(useful) - 1, 0)],
+        output_tokens=len(useful),
         prompt_tokens=len(final.prompt_token_ids),
         cached_tokens=final.num_cached_tokens,
-        text=final.outputs[0].text,
+        text=target.llm.tokenizer.decode(useful) if target.llm and pad_to else final.outputs[0].text,
     )
 
 
@@ -339,10 +344,10 @@ async def run_continuous(target: _Target, reqs: list[BenchRequest], concurrency:
 
 
 async def run_static(target: _Target, reqs: list[BenchRequest], batch_size: int) -> Measured:
-    """Batches of ``batch_size`` start together and the next waits for the slowest, so a
-    finished slot idles until its batch ends: that idle slot time is in the wall time. The
-    engine does not compute padding for the idle slots, which flatters static batching (a
-    padded batch would), so the continuous/static ratio is a lower bound."""
+    """Static batching as HF ``generate`` does it: batches of ``batch_size`` start together,
+    every row decodes until the batch's longest reply is done (the padding is computed, not
+    skipped), and the next batch starts only then. Only the tokens each request asked for
+    count as output."""
     run = _Run(target, "static")
     used = slots = 0
 
@@ -350,10 +355,11 @@ async def run_static(target: _Target, reqs: list[BenchRequest], batch_size: int)
         nonlocal used, slots
         for i in range(0, len(reqs), batch_size):
             batch = reqs[i : i + batch_size]
-            results = await asyncio.gather(*(_one(target, r, run.rid()) for r in batch))
+            longest = max(r.max_tokens for r in batch)
+            results = await asyncio.gather(*(_one(target, r, run.rid(), pad_to=longest) for r in batch))
             run.results.extend(results)
             used += sum(r.output_tokens for r in results)
-            slots += len(batch) * max(r.output_tokens for r in results)
+            slots += len(batch) * longest
 
     wall = await run.measure(work)
     return run.metrics(wall, used / slots if slots else None), run.results

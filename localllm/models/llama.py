@@ -159,7 +159,12 @@ class Attention(nn.Module):
         self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if not qkv.is_cuda and self.k_cache.dtype.is_floating_point and self.k_cache.dtype.itemsize > 1:
+            # CPU attention runs in the cache dtype (fp32: bf16 SDPA is 6-8x slower there); one
+            # cast here replaces the casts rotary, the cache write and SDPA would each make.
+            qkv = qkv.to(self.k_cache.dtype)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(T, self.num_heads, self.head_dim)
         k = k.reshape(T, self.num_kv_heads, self.head_dim)
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
@@ -170,7 +175,7 @@ class Attention(nn.Module):
             q, self.k_cache, self.v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
             self.scale, meta.num_decodes,
         )
-        return self.o_proj(o.reshape(T, self.q_size))
+        return self.o_proj(o.reshape(T, self.q_size).to(x.dtype))
 
 
 class MLP(nn.Module):

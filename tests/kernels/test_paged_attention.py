@@ -158,3 +158,38 @@ def test_dispatcher_cpu_runs_reference() -> None:
     # The optional FP8 scale arguments keep the old positional call working.
     args = [batch[k] for k in ("q", "k_cache", "v_cache", "query_start_loc", "seq_lens", "block_tables", "scale")]
     torch.testing.assert_close(paged_attention(*args, batch["num_decodes"]), paged_attention_ref(**batch))
+
+
+def dense_attention(batch: dict) -> torch.Tensor:
+    """Explicit softmax attention over each sequence's blocks, read one token at a time: an
+    implementation that shares nothing with the reference's gather, packing or SDPA."""
+    q, kc, vc = batch["q"].double(), batch["k_cache"], batch["v_cache"]
+    if kc.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        kc, vc = kc.double() * batch["k_scale"], vc.double() * batch["v_scale"]
+    block_size, group = kc.shape[1], q.shape[1] // kc.shape[2]
+    out = torch.empty_like(q)
+    qsl, lens = batch["query_start_loc"].tolist(), batch["seq_lens"].tolist()
+    for b, kv_len in enumerate(lens):
+        table = batch["block_tables"][b].tolist()
+        slots = [(table[t // block_size], t % block_size) for t in range(kv_len)]
+        k = torch.stack([kc[blk, off] for blk, off in slots]).double()  # [L, KVH, D]
+        v = torch.stack([vc[blk, off] for blk, off in slots]).double()
+        for j, row in enumerate(range(qsl[b], qsl[b + 1])):
+            visible = kv_len - (qsl[b + 1] - qsl[b]) + j + 1
+            for h in range(q.shape[1]):
+                scores = (k[:visible, h // group] @ q[row, h]) * batch["scale"]
+                out[row, h] = torch.softmax(scores, 0) @ v[:visible, h // group]
+    return out
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(3, 3), (9, 3), (8, 2), (8, 1)])
+@pytest.mark.parametrize("lens", [[(1, 40), (1, 40)], [(1, 5), (1, 33), (1, 16), (6, 21), (9, 9)]])
+def test_reference_matches_dense_attention(num_heads: int, num_kv_heads: int, lens: list) -> None:
+    # equal decode lengths take the unmasked path, ragged ones the masked one
+    batch = make_batch(lens, num_heads, num_kv_heads, 32, 16, torch.float32, "cpu")
+    torch.testing.assert_close(paged_attention_ref(**batch).double(), dense_attention(batch), atol=1e-5, rtol=1e-5)
+
+
+def test_reference_fp8_cache_matches_dense_attention() -> None:
+    batch = make_batch([(1, 20), (1, 37), (5, 12)], 8, 2, 32, 16, torch.float32, "cpu", torch.float8_e4m3fn)
+    torch.testing.assert_close(paged_attention_ref(**batch).double(), dense_attention(batch), atol=1e-4, rtol=1e-4)

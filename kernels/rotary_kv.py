@@ -24,16 +24,9 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 ScaleArg = float | torch.Tensor | None
 
 
-def apply_rotary_ref(
-    x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
-) -> torch.Tensor:
-    """x: [T, heads, head_dim] in HF (rotate-half) layout; cos_sin_cache: [max_pos, head_dim]
-    holding cos for the first half and sin for the second. Computes in fp32."""
-    cos, sin = cos_sin_cache[positions].float().unsqueeze(1).chunk(2, dim=-1)
-    return _rotate(x, cos, sin)
-
-
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim] in HF (rotate-half) layout; cos, sin: [T, 1, head_dim / 2].
+    Computes in fp32 and returns x's dtype."""
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
@@ -67,7 +60,8 @@ def rotary_and_store_kv_ref(
     cache ([num_blocks, block_size, KVH, D]; slot = block * block_size + offset) and returns the
     rotated q. Slots are distinct within a call; a negative slot (padding) writes nothing.
     An FP8 cache receives ``k / k_scale`` and ``v / v_scale``."""
-    cos, sin = cos_sin_cache[positions].float().unsqueeze(1).chunk(2, dim=-1)  # once for q and k
+    # cos_sin_cache: [max_pos, head_dim], cos in the first half and sin in the second
+    cos, sin = cos_sin_cache[positions].float().unsqueeze(1).chunk(2, dim=-1)
     q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
     num_kv_heads, head_dim = k_cache.shape[-2:]
     if bool((slot_mapping < 0).any()):

@@ -234,7 +234,7 @@ async def _one(target: _Target, req: BenchRequest, rid: str, pad_to: int | None 
         output_tokens=len(useful),
         prompt_tokens=len(final.prompt_token_ids),
         cached_tokens=final.num_cached_tokens,
-        text=target.llm.tokenizer.decode(useful) if target.llm and pad_to else final.outputs[0].text,
+        text=final.outputs[0].text,  # read by multiturn only, which never pads
     )
 
 

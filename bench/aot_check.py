@@ -35,9 +35,9 @@ from importlib import import_module  # noqa: E402
 
 # import_module, not `from localllm.kernels import ...`: the package re-exports functions
 # named like their modules.
-activation, awq_gemm, fp8_gemm, int8_gemm, paged_attention, rmsnorm, rotary_kv = (
+activation, awq_gemm, int8_gemm, paged_attention, rmsnorm, rotary_kv = (
     import_module(f"localllm.kernels.{m}")
-    for m in ("activation", "awq_gemm", "fp8_gemm", "int8_gemm", "paged_attention", "rmsnorm", "rotary_kv")
+    for m in ("activation", "awq_gemm", "int8_gemm", "paged_attention", "rmsnorm", "rotary_kv")
 )
 
 # Shared memory per block that a kernel may use (opt-in maximum), by SM version.
@@ -136,32 +136,29 @@ def gemm_cases(arch: int) -> Iterator[Case]:
                     yield (f"awq {act} {label}[{i}] g{group} {c.kwargs}", awq, ptrs,
                            dict(c.kwargs, GROUP_SIZE=group, FP16_MAGIC=True, USE_ASM=True, DOT_FP32=False, EVEN_K=True),
                            {"num_warps": c.num_warps, "num_stages": c.num_stages})  # fmt: skip
-    i8 = int8_gemm._int8_gemm_kernel
-    for a8, act in ((False, "fp16"), (False, "bf16"), (True, "bf16")):
-        ptrs = {"x_ptr": "*i8" if a8 else f"*{act}", "w_ptr": "*i8", "w_scale_ptr": "*fp32", "x_scale_ptr": "*fp32",
-                "out_ptr": f"*{act}", "ws_ptr": "*i32" if a8 else "*fp32", "locks_ptr": "*i32"}  # fmt: skip
-        for cfgs, label in ((int8_gemm._GEMV_CONFIGS, "gemv"), (int8_gemm._GEMM_CONFIGS, "gemm")):
-            for i, c in enumerate(cfgs):
-                if arch < 90 and c.hopper_only:
-                    continue
-                yield (f"int8 {'w8a8' if a8 else 'w8a16'} {act} {label}[{i}] {c.kwargs}", i8, ptrs,
-                       dict(c.kwargs, A8=a8, FP16_MAGIC=not a8 and act == "fp16", USE_ASM=True, DOT_FP32=False, EVEN_K=True),
-                       {"num_warps": c.num_warps, "num_stages": c.num_stages})  # fmt: skip
-    yield ("quant int8 per token", int8_gemm._quant_int8_kernel, {"x_ptr": "*bf16", "xq_ptr": "*i8", "scale_ptr": "*fp32"},
-           dict(BLOCK_K=4096), {"num_warps": 4})  # fmt: skip
+    w8 = int8_gemm._w8_gemm_kernel
+    # (label, activation pointer, weight pointer, workspace pointer, out, A8); e4m3 needs sm89
+    variants = [("int8 w8a16 fp16", "*fp16", "*i8", "*fp32", "fp16", False),
+                ("int8 w8a16 bf16", "*bf16", "*i8", "*fp32", "bf16", False),
+                ("int8 w8a8 bf16", "*i8", "*i8", "*i32", "bf16", True)]
     if arch >= 89:
-        f8 = fp8_gemm._fp8_gemm_kernel
-        ptrs = {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32", "x_scale_ptr": "*fp32",
-                "out_ptr": "*bf16", "ws_ptr": "*fp32", "locks_ptr": "*i32"}  # fmt: skip
-        for cfgs, label in ((fp8_gemm._GEMV_CONFIGS, "gemv"), (fp8_gemm._GEMM_CONFIGS, "gemm")):
+        variants.append(("fp8 w8a8 bf16", "*fp8e4nv", "*fp8e4nv", "*fp32", "bf16", True))
+    for label, x_ptr, w_ptr, ws_ptr, out, a8 in variants:
+        ptrs = {"x_ptr": x_ptr, "w_ptr": w_ptr, "w_scale_ptr": "*fp32", "x_scale_ptr": "*fp32",
+                "out_ptr": f"*{out}", "ws_ptr": ws_ptr, "locks_ptr": "*i32"}  # fmt: skip
+        for cfgs, shape in ((int8_gemm._GEMV_CONFIGS, "gemv"), (int8_gemm._GEMM_CONFIGS, "gemm")):
             for i, c in enumerate(cfgs):
                 if arch < 90 and c.hopper_only:
                     continue
-                yield (f"fp8 {label}[{i}] {c.kwargs}", f8, ptrs, dict(c.kwargs, DOT_FP32=False, EVEN_K=True),
+                consts = dict(c.kwargs, A8=a8, INT8_DOT=x_ptr == "*i8", FP16_MAGIC=x_ptr == "*fp16",
+                              USE_ASM=True, DOT_FP32=False, EVEN_K=True)  # fmt: skip
+                yield (f"{label} {shape}[{i}] {c.kwargs}", w8, ptrs, consts,
                        {"num_warps": c.num_warps, "num_stages": c.num_stages})  # fmt: skip
-        yield ("quant fp8 per token", fp8_gemm._quant_fp8_kernel,
-               {"x_ptr": "*bf16", "xq_ptr": "*fp8e4nv", "scale_ptr": "*fp32"},
-               dict(BLOCK_K=4096, EXACT_FP8_ROUND=False), {"num_warps": 4})  # fmt: skip
+    for qtype, qmax in (("i8", 127.0), ("fp8e4nv", 448.0)) if arch >= 89 else (("i8", 127.0),):
+        yield (f"quant {qtype} per token", int8_gemm._quant_per_token_kernel,
+               {"x_ptr": "*bf16", "xq_ptr": f"*{qtype}", "scale_ptr": "*fp32"},
+               dict(BLOCK_K=4096, QMAX=qmax, ROUND_INT=qtype == "i8", EXACT_FP8_ROUND=False),
+               {"num_warps": 4})  # fmt: skip
 
 
 GROUPS = {"attention": attention_cases, "elementwise": elementwise_cases, "gemm": gemm_cases}

@@ -282,3 +282,51 @@ def round_half_even(x):
     d = x - f
     odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
     return f + tl.where((d > 0.5) | ((d == 0.5) & odd), 1.0, 0.0)
+
+
+# ---- the tile schedule the GEMM kernels share (awq_gemm, int8_gemm) ----
+
+
+@triton.jit
+def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program id -> (tile row, tile column) in grouped order: GROUP_M consecutive programs
+    walk down one column of tiles, so the weight columns they read stay in L2."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pids_per_group = GROUP_M * num_pid_n
+    first_m = (pid // pids_per_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % pids_per_group) % group_rows
+    pid_n = (pid % pids_per_group) // group_rows
+    return pid_m, pid_n
+
+
+@triton.jit
+def split_k_range(K, pid_k, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """The K tiles [lo, hi) that split pid_k of SPLIT_K accumulates."""
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    tiles_per_split = tl.cdiv(k_tiles, SPLIT_K)
+    lo = pid_k * tiles_per_split
+    return lo, tl.minimum(lo + tiles_per_split, k_tiles)
+
+
+@triton.jit
+def split_k_sum(
+    acc, ws_ptr, locks_ptr, pid_k, pid_m, pid_n, offs_m, offs_n, M, N, mask,
+    BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+):
+    """Publishes this split's partial tile to the workspace and counts arrivals on the tile's
+    lock. Returns (sum over all splits, True) to the last split to arrive, which then owns the
+    epilogue, and (its own partial, False) to the others. Sums stay in acc's type, so int32
+    stays exact. The last split resets the lock for the next launch."""
+    offs_ws = offs_m[:, None] * N + offs_n[None, :]
+    tl.store(ws_ptr + pid_k * M * N + offs_ws, acc, mask=mask)
+    tile = pid_m * tl.cdiv(N, BLOCK_N) + pid_n
+    arrived = tl.atomic_add(locks_ptr + tile, 1, sem="acq_rel")
+    last = arrived == SPLIT_K - 1
+    if last:
+        acc = tl.load(ws_ptr + offs_ws, mask=mask, other=0, cache_modifier=".cg")
+        for s_idx in range(1, SPLIT_K):
+            acc += tl.load(ws_ptr + s_idx * M * N + offs_ws, mask=mask, other=0, cache_modifier=".cg")
+        tl.atomic_xchg(locks_ptr + tile, 0)
+    return acc, last

@@ -27,8 +27,11 @@ from localllm.kernels._triton import (
     configs_for,
     dot_fp32,
     gemm_backend_choice,
+    grouped_tile,
     m_bucket,
     make_autotuner,
+    split_k_range,
+    split_k_sum,
     splitk_locks,
     tl,
     triton,
@@ -195,17 +198,8 @@ def _awq_gemm_kernel(
     DOT_FP32: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):
-    pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    # Grouped order: consecutive programs share weight columns, which then stay in L2.
-    pids_per_group = GROUP_M * num_pid_n
-    first_m = (pid // pids_per_group) * GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % pids_per_group) % group_rows
-    pid_n = (pid % pids_per_group) // group_rows
-
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_pn = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
@@ -218,10 +212,7 @@ def _awq_gemm_kernel(
     ROWS_PER_GROUP: tl.constexpr = BLOCK_K // GROUPS_PER_TILE
     num_groups = K // GROUP_SIZE
 
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    tiles_per_split = tl.cdiv(k_tiles, SPLIT_K)
-    kt_lo = pid_k * tiles_per_split
-    kt_hi = tl.minimum(kt_lo + tiles_per_split, k_tiles)
+    kt_lo, kt_hi = split_k_range(K, pid_k, BLOCK_K, SPLIT_K)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # Pointers advance by one K tile per iteration instead of being rebuilt from indices:
@@ -274,17 +265,10 @@ def _awq_gemm_kernel(
     if SPLIT_K == 1:
         tl.store(out_ptr + offs_out, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
-        # Publish this slice, then count arrivals; the last program of the tile reduces.
-        offs_ws = offs_m[:, None] * N + offs_n[None, :]
-        tl.store(ws_ptr + pid_k * M * N + offs_ws, acc, mask=out_mask)
-        tile = pid_m * num_pid_n + pid_n
-        arrived = tl.atomic_add(locks_ptr + tile, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s_idx in range(SPLIT_K):
-                total += tl.load(ws_ptr + s_idx * M * N + offs_ws, mask=out_mask, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + offs_out, total.to(out_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(locks_ptr + tile, 0)  # ready for the next launch
+        acc, last = split_k_sum(acc, ws_ptr, locks_ptr, pid_k, pid_m, pid_n, offs_m, offs_n, M, N, out_mask,
+                                BLOCK_N, SPLIT_K)
+        if last:
+            tl.store(out_ptr + offs_out, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 GEMV_MAX_M = 16

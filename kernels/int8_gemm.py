@@ -1,13 +1,14 @@
-"""INT8 GEMMs with per-output-channel weight scales: W8A16 and W8A8.
+"""GEMMs over 8-bit weights with per-output-channel weight scales: INT8 W8A16 and W8A8 here,
+and FP8 W8A8 (``fp8_gemm``), which calls the same kernel with e4m3 operands.
 
 - w: int8 [N, K] (nn.Linear layout), w_scale: fp32 [N]; y = x @ (w * w_scale[:, None]).T.
 - W8A16 multiplies the activations as they are. W8A8 first quantizes each row (token) of x
-  symmetrically to int8 with its own scale (``quantize_per_token_int8``), multiplies int8 by
-  int8 into int32, and applies both scales in the epilogue.
+  symmetrically to 8 bits with its own scale (``quantize_per_token_int8``), multiplies the two
+  8-bit matrices (int8 into int32, e4m3 into fp32), and applies both scales in the epilogue.
 
-``_int8_gemm_kernel`` serves both (``A8`` constexpr); ``_quant_int8_kernel`` is W8A8's
-per-token quantization prologue, kept here because nothing else uses it. Small M (decode)
-uses split-K with in-kernel reduction by the last-arriving program, as in awq_gemm.
+``_w8_gemm_kernel`` serves all three; ``_quant_per_token_kernel`` is W8A8's per-token
+quantization prologue, for int8 and e4m3 alike. Small M (decode) uses split-K with in-kernel
+reduction by the last-arriving program, as in awq_gemm.
 """
 
 from __future__ import annotations
@@ -21,10 +22,14 @@ from localllm.kernels._triton import (
     configs_for,
     dot_fp32,
     gemm_backend_choice,
+    grouped_tile,
     m_bucket,
     make_autotuner,
     next_power_of_2,
     round_half_even,
+    round_to_e4m3_grid,
+    split_k_range,
+    split_k_sum,
     splitk_locks,
     tl,
     triton,
@@ -34,15 +39,25 @@ from localllm.kernels._triton import (
 _EPS = 1e-10
 
 
-def quantize_per_token_int8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (xq int8 [M, K], x_scale fp32 [M, 1]) with x ~= xq * x_scale.
+def quantize_per_token_ref(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (xq [M, K] in ``dtype``, int8 or e4m3, x_scale fp32 [M, 1]) with
+    x ~= xq * x_scale.
 
-    Symmetric, scale = max|row| / 127, round half to even; an all-zero row gets a tiny scale
-    and zeros. The [M, 1] scale shape is vLLM's (``scaled_int8_quant``)."""
+    Symmetric, scale = max|row| / the type's largest value (127 or 448); int8 rounds half to
+    even, the e4m3 cast rounds to nearest. An all-zero row gets a tiny scale and zeros. The
+    [M, 1] scale shape is vLLM's (``scaled_int8_quant``, ``scaled_fp8_quant``)."""
+    is_int = dtype == torch.int8
+    qmax = 127.0 if is_int else torch.finfo(dtype).max
     xf = x.float()
-    scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=_EPS) / 127.0
-    xq = torch.round(xf / scale).clamp(-127, 127).to(torch.int8)
-    return xq, scale
+    scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=_EPS) / qmax
+    q = xf / scale
+    if is_int:
+        q = torch.round(q)
+    return q.clamp(-qmax, qmax).to(dtype), scale
+
+
+def quantize_per_token_int8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize_per_token_ref(x, torch.int8)
 
 
 def int8_w8a16_gemm_ref(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
@@ -94,7 +109,10 @@ def int8_w8a8_gemm_ref(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) 
 
 
 @triton.jit
-def _quant_int8_kernel(x_ptr, xq_ptr, scale_ptr, K, stride_xm, stride_qm, BLOCK_K: tl.constexpr):
+def _quant_per_token_kernel(
+    x_ptr, xq_ptr, scale_ptr, K, stride_xm, stride_qm, BLOCK_K: tl.constexpr, QMAX: tl.constexpr,
+    ROUND_INT: tl.constexpr, EXACT_FP8_ROUND: tl.constexpr,
+):
     """One row per program: pass 1 finds max|x|, pass 2 quantizes (the row is re-read from L2)."""
     row = tl.program_id(0).to(tl.int64)
     amax = tl.zeros([BLOCK_K], tl.float32)
@@ -102,13 +120,18 @@ def _quant_int8_kernel(x_ptr, xq_ptr, scale_ptr, K, stride_xm, stride_qm, BLOCK_
         offs = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + row * stride_xm + offs, mask=offs < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, 0), 1e-10) / 127.0
+    scale = tl.maximum(tl.max(amax, 0), 1e-10) / QMAX
     tl.store(scale_ptr + row, scale)
     for k0 in range(0, K, BLOCK_K):
         offs = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + row * stride_xm + offs, mask=offs < K, other=0.0).to(tl.float32)
-        q = tl.clamp(round_half_even(tl.math.div_rn(x, scale)), -127.0, 127.0)
-        tl.store(xq_ptr + row * stride_qm + offs, q.to(tl.int8), mask=offs < K)
+        q = tl.math.div_rn(x, scale)
+        if ROUND_INT:
+            q = round_half_even(q)
+        q = tl.clamp(q, -QMAX, QMAX)
+        if EXACT_FP8_ROUND:  # the interpreter's fp8 cast mis-rounds across powers of two
+            q = round_to_e4m3_grid(q)
+        tl.store(xq_ptr + row * stride_qm + offs, q.to(xq_ptr.dtype.element_ty), mask=offs < K)
 
 
 @triton.jit
@@ -137,7 +160,7 @@ def _int8_to_fp16_magic(w, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _int8_epilogue(acc, w_scale_ptr, x_scale_ptr, out_ptr, offs_m, offs_n, m_ok, n_ok, offs_out, A8: tl.constexpr):
+def _w8_epilogue(acc, w_scale_ptr, x_scale_ptr, out_ptr, offs_m, offs_n, m_ok, n_ok, offs_out, A8: tl.constexpr):
     y = acc.to(tl.float32) * tl.load(w_scale_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
     if A8:
         y = y * tl.load(x_scale_ptr + offs_m, mask=m_ok, other=0.0)[:, None]
@@ -145,7 +168,7 @@ def _int8_epilogue(acc, w_scale_ptr, x_scale_ptr, out_ptr, offs_m, offs_n, m_ok,
 
 
 @triton.jit
-def _int8_gemm_kernel(
+def _w8_gemm_kernel(
     x_ptr,
     w_ptr,
     w_scale_ptr,
@@ -166,31 +189,21 @@ def _int8_gemm_kernel(
     SPLIT_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     A8: tl.constexpr,
+    INT8_DOT: tl.constexpr,
     FP16_MAGIC: tl.constexpr,
     USE_ASM: tl.constexpr,
     DOT_FP32: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):
-    pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    pids_per_group = GROUP_M * num_pid_n
-    first_m = (pid // pids_per_group) * GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % pids_per_group) % group_rows
-    pid_n = (pid % pids_per_group) // group_rows
-
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = offs_m < M
     n_ok = offs_n < N
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    tiles_per_split = tl.cdiv(k_tiles, SPLIT_K)
-    kt_lo = pid_k * tiles_per_split
-    kt_hi = tl.minimum(kt_lo + tiles_per_split, k_tiles)
+    kt_lo, kt_hi = split_k_range(K, pid_k, BLOCK_K, SPLIT_K)
 
-    if A8:
+    if INT8_DOT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -200,16 +213,16 @@ def _int8_gemm_kernel(
     w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
     for _ in range(kt_lo, kt_hi):
         if EVEN_K:  # the usual case: no per-iteration K masks
-            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0)
-            w = tl.load(w_ptrs, mask=n_ok[None, :], other=0)
+            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
         else:
             k_ok = offs_k < K
-            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0)
-            w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0)
+            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         offs_k += BLOCK_K
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-        if A8:
+        if INT8_DOT:
             acc = tl.dot(x, w, acc, out_dtype=tl.int32)
         elif FP16_MAGIC:
             # 0x6480 + w is the fp16 bit pattern of 1152 + w for w in [-128, 127]: exact, and
@@ -221,26 +234,17 @@ def _int8_gemm_kernel(
                 acc = tl.dot(x, wf, acc)
         elif DOT_FP32:
             acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-        else:
+        else:  # 16-bit activations, or e4m3 x e4m3 on fp8 tensor cores (sm89+, wgmma on sm90)
             acc = tl.dot(x, w.to(x.dtype), acc)
 
     offs_out = offs_m[:, None] * stride_om + offs_n[None, :]
-    out_mask = m_ok[:, None] & n_ok[None, :]
     if SPLIT_K > 1:
-        # Slices are summed in the accumulator's type (int32 stays exact), then the last
-        # program to arrive applies the epilogue.
-        offs_ws = offs_m[:, None] * N + offs_n[None, :]
-        tl.store(ws_ptr + pid_k * M * N + offs_ws, acc, mask=out_mask)
-        tile = pid_m * num_pid_n + pid_n
-        arrived = tl.atomic_add(locks_ptr + tile, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:
-            acc = tl.load(ws_ptr + offs_ws, mask=out_mask, other=0, cache_modifier=".cg")
-            for s_idx in range(1, SPLIT_K):
-                acc += tl.load(ws_ptr + s_idx * M * N + offs_ws, mask=out_mask, other=0, cache_modifier=".cg")
-            _int8_epilogue(acc, w_scale_ptr, x_scale_ptr, out_ptr, offs_m, offs_n, m_ok, n_ok, offs_out, A8)
-            tl.atomic_xchg(locks_ptr + tile, 0)
+        acc, last = split_k_sum(acc, ws_ptr, locks_ptr, pid_k, pid_m, pid_n, offs_m, offs_n, M, N,
+                                m_ok[:, None] & n_ok[None, :], BLOCK_N, SPLIT_K)
+        if last:
+            _w8_epilogue(acc, w_scale_ptr, x_scale_ptr, out_ptr, offs_m, offs_n, m_ok, n_ok, offs_out, A8)
     else:
-        _int8_epilogue(acc, w_scale_ptr, x_scale_ptr, out_ptr, offs_m, offs_n, m_ok, n_ok, offs_out, A8)
+        _w8_epilogue(acc, w_scale_ptr, x_scale_ptr, out_ptr, offs_m, offs_n, m_ok, n_ok, offs_out, A8)
 
 
 GEMV_MAX_M = 16
@@ -257,6 +261,7 @@ _GEMM_CONFIGS = [
     Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1, "GROUP_M": 8}, 8, 4),
     Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1, "GROUP_M": 8}, 8, 3),
     Config({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "SPLIT_K": 1, "GROUP_M": 8}, 8, 3, hopper_only=True),
+    Config({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "SPLIT_K": 1, "GROUP_M": 8}, 8, 3, hopper_only=True),
     Config({"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1, "GROUP_M": 8}, 4, 4),
     Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1, "GROUP_M": 8}, 4, 4),
 ]
@@ -270,25 +275,35 @@ def _autotuned(x: torch.Tensor, gemv: bool) -> object:
     key = (gemv, capability(x)[0] >= 9)
     if key not in _tuned:
         _tuned[key] = make_autotuner(
-            _int8_gemm_kernel,
+            _w8_gemm_kernel,
             configs_for(x, _GEMV_CONFIGS if gemv else _GEMM_CONFIGS),
-            key=["M_BUCKET", "N", "K", "A8", "FP16_MAGIC", "USE_ASM", "DOT_FP32"],
+            key=["M_BUCKET", "N", "K", "A8", "INT8_DOT", "FP16_MAGIC", "USE_ASM", "DOT_FP32"],
         )
     return _tuned[key]
 
 
-def quantize_per_token_int8_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_per_token_triton(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (xq [M, K] in ``dtype``, int8 or e4m3, x_scale fp32 [M, 1])."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    xq = torch.empty((m, k), dtype=torch.int8, device=x.device)
+    xq = torch.empty((m, k), dtype=dtype, device=x.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m:
+        is_int = dtype == torch.int8
         block_k = min(next_power_of_2(k), 4096)
-        _quant_int8_kernel[(m,)](x2, xq, scale, k, x2.stride(0), xq.stride(0), BLOCK_K=block_k, num_warps=4)
+        _quant_per_token_kernel[(m,)](
+            x2, xq, scale, k, x2.stride(0), xq.stride(0), BLOCK_K=block_k,
+            QMAX=127.0 if is_int else float(torch.finfo(dtype).max), ROUND_INT=is_int,
+            EXACT_FP8_ROUND=INTERPRET and not is_int, num_warps=4,
+        )
     return xq, scale
+
+
+def quantize_per_token_int8_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize_per_token_triton(x, torch.int8)
 
 
 def quantize_per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -298,7 +313,7 @@ def quantize_per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return quantize_per_token_int8_ref(x.reshape(-1, x.shape[-1]))
 
 
-def _launch(
+def launch_w8_gemm(
     a: torch.Tensor,
     w: torch.Tensor,
     w_scale: torch.Tensor,
@@ -306,6 +321,8 @@ def _launch(
     out_dtype: torch.dtype,
     config: Config | None,
 ) -> torch.Tensor:
+    """a [M, K] (16/32-bit activations, or per-token quantized ones with ``a_scale`` [M, 1])
+    @ (w [N, K] int8 or e4m3 * w_scale[:, None]).T -> [M, N] in ``out_dtype``."""
     m, k = a.shape
     n = w.shape[0]
     assert w.shape[1] == k and w.stride(1) == 1 and w_scale.numel() == n
@@ -313,12 +330,13 @@ def _launch(
     if m == 0 or n == 0:
         return out
     a8 = a_scale is not None
+    int8_dot = a.dtype == torch.int8
     gemv = m <= GEMV_MAX_M
     if config is None and INTERPRET:
         config = _INTERPRET_GEMV if gemv else _INTERPRET_GEMM
     max_split = config.kwargs["SPLIT_K"] if config is not None else (MAX_SPLIT_K if gemv else 1)
     if max_split > 1:
-        ws = torch.empty((max_split * m * n,), dtype=torch.int32 if a8 else torch.float32, device=a.device)
+        ws = torch.empty((max_split * m * n,), dtype=torch.int32 if int8_dot else torch.float32, device=a.device)
         locks = splitk_locks(a.device, triton.cdiv(m, 16) * triton.cdiv(n, 16))
     else:
         ws = locks = out
@@ -327,16 +345,17 @@ def _launch(
             a.stride(0), w.stride(0), out.stride(0), m_bucket(m))  # fmt: skip
     consts = dict(
         A8=a8,
-        FP16_MAGIC=not a8 and a.dtype == torch.float16,
+        INT8_DOT=int8_dot,
+        FP16_MAGIC=w.dtype == torch.int8 and a.dtype == torch.float16,
         USE_ASM=a.is_cuda and not INTERPRET,
-        DOT_FP32=not a8 and dot_fp32(a),
+        DOT_FP32=not int8_dot and dot_fp32(a),  # e4m3 dots run in fp32 only in the interpreter
     )
 
     def grid(meta: dict) -> tuple[int, int]:
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])
 
     if config is not None:
-        _int8_gemm_kernel[grid](*args, **consts, **config.kwargs, EVEN_K=k % config.kwargs["BLOCK_K"] == 0,
+        _w8_gemm_kernel[grid](*args, **consts, **config.kwargs, EVEN_K=k % config.kwargs["BLOCK_K"] == 0,
             num_warps=config.num_warps, num_stages=config.num_stages)
     else:
         _autotuned(a, gemv)[grid](*args, **consts)  # type: ignore[index]
@@ -350,7 +369,7 @@ def int8_w8a16_gemm_triton(
     x2 = x.reshape(-1, shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    return _launch(x2, w, w_scale, None, x.dtype, config).view(*shape[:-1], w.shape[0])
+    return launch_w8_gemm(x2, w, w_scale, None, x.dtype, config).view(*shape[:-1], w.shape[0])
 
 
 def int8_w8a8_gemm_triton(
@@ -358,7 +377,7 @@ def int8_w8a8_gemm_triton(
 ) -> torch.Tensor:
     shape = x.shape
     xq, x_scale = quantize_per_token_int8_triton(x.reshape(-1, shape[-1]))
-    return _launch(xq, w, w_scale, x_scale, x.dtype, config).view(*shape[:-1], w.shape[0])
+    return launch_w8_gemm(xq, w, w_scale, x_scale, x.dtype, config).view(*shape[:-1], w.shape[0])
 
 
 def _int_mm_path(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from localllm.bench import BenchOptions, chat_lengths, format_report, percentile, run_bench
+from localllm.bench import BenchOptions, chat_lengths, format_report, percentile, run_bench, step_bounds
 from localllm.cli import main
 from localllm.engine.async_engine import AsyncEngine
 from localllm.engine.engine import EngineConfig, LLMEngine
@@ -32,6 +32,11 @@ def test_lengths_and_percentiles() -> None:
     assert chat_lengths(4, "straggler", rounds=1, scale=0.01) == [20, 4, 4, 4]  # floor of 4 tokens
     mixed = chat_lengths(4, "mixed", rounds=3, scale=1.0)
     assert sorted(mixed) == sorted([32, 64, 128, 256, 512, 1024] * 2) and mixed == chat_lengths(4, "mixed", 3, 1.0)
+    # one straggler per batch: static pads every batch to it; continuous refills the other
+    # chats from the queue, so only the last straggler's chat runs long
+    assert step_bounds([8, 1, 1, 1, 8, 1, 1, 1], 4) == {"continuous": 9, "static": 16, "sequential": 22}
+    assert step_bounds([5, 3], 1) == {"continuous": 8, "static": 8, "sequential": 8}
+    assert step_bounds([2, 7], 4) == {"continuous": 7, "static": 7, "sequential": 9}  # more chats than requests
     assert percentile([], 50) is None
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5 and percentile([5.0], 99) == 5.0
 
@@ -50,7 +55,7 @@ async def test_local_bench_report(engine: AsyncEngine) -> None:
     for row in rows:
         lengths = chat_lengths(row["n"], row["mix"], 1, 0.01)
         assert set(row["modes"]) == {"continuous", "static", "sequential"}
-        assert set(row["ratios"]) == {"continuous/static", "continuous/sequential"}
+        assert set(row["ratios"]) == set(row["step_bound_ratios"]) == {"continuous/static", "continuous/sequential"}
         for m in row["modes"].values():
             assert m["requests"] == len(lengths) == row["requests"]
             assert m["output_tokens"] == sum(lengths)  # ignore_eos: every reply has its exact length

@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -463,16 +463,18 @@ async def _finals(request: Request, state: _State, jobs: list[Job]) -> list[Requ
     return finals
 
 
-async def _chat_stream(
-    state: _State, req: ChatRequest, prompts: list[list[int]], jobs: list[Job], rid: str,
+async def _sse_stream(
+    state: _State, include_usage: bool, n: int, prompts: list[list[int]], jobs: list[Job], base: dict[str, Any],
+    choice_fields: Callable[[int, RequestOutput, int, int], dict[str, Any]], first: Iterable[dict[str, Any]] = (),
 ) -> AsyncIterator[bytes]:
-    created = int(time.time())
-    base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model}
-    extra = {"usage": None} if req.include_usage else {}
-    for k in range(len(jobs)):
-        yield _sse({**base, "choices": [{"index": k, "delta": {"role": "assistant", "content": ""},
-                                         "logprobs": None, "finish_reason": None}], **extra})
-    sent_tokens = [0] * len(jobs)  # tokens already covered by a chunk, for the logprobs slices
+    """The SSE body of both endpoints: the ``first`` choices, then one chunk per text delta of
+    job k with ``choice_fields(k, out, first_token, end_token)`` (the tokens it covers) and
+    one when a job finishes, then usage when asked, then [DONE]. An engine error after the
+    headers are out is reported in-band, as vLLM does."""
+    extra = {"usage": None} if include_usage else {}
+    for choice in first:
+        yield _sse({**base, "choices": [choice], **extra})
+    sent_tokens = [0] * len(jobs)
     finals: list[RequestOutput | None] = [None] * len(jobs)
     stream = _fan_in(state.engine, jobs)
     try:
@@ -483,59 +485,50 @@ async def _chat_stream(
             elif not c.delta_text:
                 continue  # text held back (a possible stop string): nothing to send yet
             end = len(c.token_ids)
-            choice = {
-                "index": k, "delta": {"content": c.delta_text} if c.delta_text else {},
-                "logprobs": _chat_logprobs(state, out, sent_tokens[k], end, req.top_logprobs)
-                if req.logprobs else None,
-                "finish_reason": c.finish_reason if out.finished else None,
-            }
-            if out.finished:
-                choice["stop_reason"] = c.stop_reason
-            sent_tokens[k] = end
-            yield _sse({**base, "choices": [choice], **extra})
-        if req.include_usage:
-            yield _sse({**base, "choices": [], "usage": _usage(prompts, req.n, finals)})
-    except Exception as e:  # noqa: BLE001 - headers are sent: report it in-band, as vLLM does
-        yield _sse(_engine_error(e).body())
-    finally:
-        await stream.aclose()  # type: ignore[attr-defined]
-    yield b"data: [DONE]\n\n"
-
-
-async def _completion_stream(
-    state: _State, req: CompletionRequest, prompts: list[list[int]], jobs: list[Job], rid: str,
-) -> AsyncIterator[bytes]:
-    created = int(time.time())
-    base = {"id": rid, "object": "text_completion", "created": created, "model": state.model}
-    extra = {"usage": None} if req.include_usage else {}
-    sent_tokens = [0] * len(jobs)
-    sent_chars = [0] * len(jobs)
-    finals: list[RequestOutput | None] = [None] * len(jobs)
-    stream = _fan_in(state.engine, jobs)
-    try:
-        async for k, out in stream:
-            c = out.outputs[0]
-            if out.finished:
-                finals[k] = out
-            elif not c.delta_text:
-                continue
-            end = len(c.token_ids)
-            lp = None if req.logprobs is None else _completion_logprobs(
-                state, out, sent_tokens[k], end, req.logprobs, sent_chars[k])
-            choice = {"index": k, "text": c.delta_text, "logprobs": lp,
+            choice = {"index": k, **choice_fields(k, out, sent_tokens[k], end),
                       "finish_reason": c.finish_reason if out.finished else None}
             if out.finished:
                 choice["stop_reason"] = c.stop_reason
             sent_tokens[k] = end
-            sent_chars[k] += len(c.delta_text)
             yield _sse({**base, "choices": [choice], **extra})
-        if req.include_usage:
-            yield _sse({**base, "choices": [], "usage": _usage(prompts, req.n, finals)})
-    except Exception as e:  # noqa: BLE001 - headers are sent: report it in-band, as vLLM does
+        if include_usage:
+            yield _sse({**base, "choices": [], "usage": _usage(prompts, n, finals)})
+    except Exception as e:  # noqa: BLE001 - headers are sent: report it in-band
         yield _sse(_engine_error(e).body())
     finally:
         await stream.aclose()  # type: ignore[attr-defined]
     yield b"data: [DONE]\n\n"
+
+
+def _chat_stream(
+    state: _State, req: ChatRequest, prompts: list[list[int]], jobs: list[Job], rid: str,
+) -> AsyncIterator[bytes]:
+    base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": state.model}
+
+    def fields(k: int, out: RequestOutput, start: int, end: int) -> dict[str, Any]:
+        text = out.outputs[0].delta_text
+        return {"delta": {"content": text} if text else {},
+                "logprobs": _chat_logprobs(state, out, start, end, req.top_logprobs) if req.logprobs else None}
+
+    roles = [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+             for k in range(len(jobs))]
+    return _sse_stream(state, req.include_usage, req.n, prompts, jobs, base, fields, roles)
+
+
+def _completion_stream(
+    state: _State, req: CompletionRequest, prompts: list[list[int]], jobs: list[Job], rid: str,
+) -> AsyncIterator[bytes]:
+    base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": state.model}
+    sent_chars = [0] * len(jobs)  # text offsets of the logprobs, per job
+
+    def fields(k: int, out: RequestOutput, start: int, end: int) -> dict[str, Any]:
+        text = out.outputs[0].delta_text
+        lp = None if req.logprobs is None else _completion_logprobs(
+            state, out, start, end, req.logprobs, sent_chars[k])
+        sent_chars[k] += len(text)
+        return {"text": text, "logprobs": lp}
+
+    return _sse_stream(state, req.include_usage, req.n, prompts, jobs, base, fields)
 
 
 # ---- running it ----

@@ -5,9 +5,10 @@ Workloads (issue 3, "Benchmark"):
 
 - ``chats``: N concurrent chats (N = 1, 4, 16, 64) served from a shared queue of
   ``rounds * N`` requests, each chat sending its next request as soon as its reply ends.
-  The default 16 rounds keep the queue busy past the first stragglers: with 4, three
-  quarters of a straggler run is four lone long replies after the queue has drained, which
-  measures the workload's end, not the batching.
+  The default 16 rounds keep the queue busy past the first stragglers: with 4, most of a
+  straggler run is four lone long replies after the queue has drained, which measures the
+  workload's end, not the batching. The report prints each ratio beside its bound at equal
+  step cost (``step_bounds``), which tells one case from the other.
   Two output-length mixes: ``mixed`` (deterministic spread from 32 to 1,024 tokens) and
   ``straggler`` (one 2,000-token reply per max(N, 4) requests, the rest 50 tokens).
 - ``rag``: a shared 3,000-token system prompt, then short questions one at a time;

@@ -154,7 +154,8 @@ def gemm_cases(arch: int) -> Iterator[Case]:
                               USE_ASM=True, DOT_FP32=False, EVEN_K=True)  # fmt: skip
                 yield (f"{label} {shape}[{i}] {c.kwargs}", w8, ptrs, consts,
                        {"num_warps": c.num_warps, "num_stages": c.num_stages})  # fmt: skip
-    for qtype, qmax in (("i8", 127.0), ("fp8e4nv", 448.0)) if arch >= 89 else (("i8", 127.0),):
+    quant_types = [("i8", 127.0)] + ([("fp8e4nv", 448.0)] if arch >= 89 else [])
+    for qtype, qmax in quant_types:
         yield (f"quant {qtype} per token", int8_gemm._quant_per_token_kernel,
                {"x_ptr": "*bf16", "xq_ptr": f"*{qtype}", "scale_ptr": "*fp32"},
                dict(BLOCK_K=4096, QMAX=qmax, ROUND_INT=qtype == "i8", EXACT_FP8_ROUND=False),

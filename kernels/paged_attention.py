@@ -76,9 +76,9 @@ def paged_attention_ref(
     """Computes in the cache dtype through SDPA (fp32 on CPU, where bf16 SDPA is 6-8x slower).
 
     ``num_decodes`` leading sequences have exactly one query token; they are batched into one
-    SDPA call (masked only when their lengths differ). The remaining (prefill/extend) sequences run one SDPA call each, which is
-    cheap next to their O(n^2) work. An FP8 cache is dequantized per gathered block, in q's
-    dtype, so the whole cache is never upcast.
+    SDPA call (masked only when their lengths differ). The remaining (prefill/extend)
+    sequences run one SDPA call each, which is cheap next to their O(n^2) work. An FP8 cache
+    is dequantized per gathered block, in q's dtype, so the whole cache is never upcast.
     """
     out = torch.empty_like(q)
     block_size = k_cache.shape[1]

@@ -539,15 +539,13 @@ def plain_greedy(llm: Any, prompt_ids: list[int], n_tokens: int) -> tuple[list[i
 
     from localllm.engine.sequence import SamplingParams, Sequence
     from localllm.models.llama import AttentionMetadata
-    from localllm.tokenizer import IncrementalDetokenizer
 
     runner = llm.runner
     model = runner.model
     dev = runner.device
     bs = runner.block_size
     total = len(prompt_ids) + n_tokens
-    seq = Sequence("bench-plain", list(prompt_ids), SamplingParams(max_tokens=n_tokens),
-                   IncrementalDetokenizer(llm.tokenizer), (), total + 1)
+    seq = Sequence("bench-plain", list(prompt_ids), SamplingParams(max_tokens=n_tokens), (), total + 1)
     if not llm.block_manager.allocate(seq, total):
         raise RuntimeError("the KV pool is too small for the plain loop")
     try:

@@ -15,9 +15,14 @@ import traceback
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from localllm.engine.engine import EngineConfig, EngineStats, LLMEngine, Prompt, RequestOutput
+from typing import TYPE_CHECKING
+
+from localllm.engine.engine import EngineStats, LLMEngine, Prompt, RequestOutput
 from localllm.engine.sequence import SamplingParams
 from localllm.errors import LocalLLMError
+
+if TYPE_CHECKING:
+    from localllm.tokenizer import Tokenizer
 
 
 @dataclass(slots=True)
@@ -44,14 +49,11 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="localllm-engine", daemon=True)
         self._thread.start()
 
-    @classmethod
-    def from_config(cls, config: EngineConfig) -> AsyncEngine:
-        return cls(LLMEngine(config))
-
     # ---- consumer side (any event loop) ----
 
     @property
-    def tokenizer(self):  # noqa: ANN201 - Tokenizer; the engine's, read-only after load
+    def tokenizer(self) -> Tokenizer:
+        """The engine's; read-only after load, so safe from any thread."""
         return self.engine.tokenizer
 
     def stats(self) -> EngineStats:
@@ -61,8 +63,9 @@ class AsyncEngine:
     async def generate(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
-        """Yields one output per step that produced text for this request; the last one has
-        ``finished`` set. Breaking out of the loop, or cancelling the task, aborts the request."""
+        """Yields one output per step that produced a token for this request; the last one has
+        ``finished`` set. A request that fails raises its error here instead. Breaking out of
+        the loop, or cancelling the task, aborts the request."""
         if self._stopped.is_set():
             raise EngineDeadError("the engine has stopped")
         request_id = request_id or f"async-{next(self._ids)}"
@@ -116,12 +119,12 @@ class AsyncEngine:
                 continue
             try:
                 outputs = engine.step()
-            except Exception as e:  # an engine error fails the running requests, not the app
+            except Exception as e:  # a bug outside the step's own isolation: fail all, not the app
                 traceback.print_exc()
                 self._fail_all(RuntimeError(f"engine step failed: {type(e).__name__}: {e}"))
                 continue
             self._stats = engine.stats()
-            self._deliver([(o.request_id, o) for o in outputs])
+            self._deliver([(o.request_id, o if o.error is None else o.error) for o in outputs])
 
     def _handle(self, kind: str, payload: object) -> None:
         if kind == "add":

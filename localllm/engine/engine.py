@@ -3,23 +3,41 @@
 ``LLMEngine`` owns tokenization, the scheduler, the block manager and the model runner; it is
 driven by ``LLM.generate`` directly, and by ``AsyncEngine``'s background thread for the TUI and
 the server. It never blocks on a consumer.
+
+A step is one pipeline: ``Scheduler.schedule`` -> ``ModelRunner.execute`` (the forward pass)
+-> sampling -> ``Scheduler.update`` (progress, prefix-cache hashing, finishing on tokens) ->
+one ``RequestOutput`` per sampled request (detokenizing, stop strings, deltas). A failure in
+sampling, detokenizing or a stop check fails only the request it belongs to; a failure of the
+forward pass fails the requests of that batch; either way the blocks are freed and the next
+step runs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Callable, Sequence as Seq
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+import torch
 
 from localllm.engine.block_manager import BlockManager
 from localllm.engine.model_runner import ModelRunner
+from localllm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestState
+from localllm.engine.sampler import SamplerOutput, sample
 from localllm.engine.scheduler import Scheduler
-from localllm.engine.sequence import RequestMetrics, SamplingParams, Sequence, SequenceStatus
+from localllm.engine.sequence import SamplingParams, Sequence, SequenceStatus
 from localllm.errors import LocalLLMError
 from localllm.tokenizer import IncrementalDetokenizer, Message
+
+if TYPE_CHECKING:
+    from localllm.hardware.planner import Plan
+    from localllm.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 Prompt = str | list[int] | list[Message]
 
@@ -40,30 +58,6 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
     use_cuda_graphs: bool = True
-
-
-@dataclass(slots=True)
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    cumulative_logprob: float | None
-    logprobs: list[dict[int, float]] | None
-    finish_reason: str | None
-    stop_reason: str | int | None = None
-    delta_text: str = ""
-    delta_token_ids: list[int] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool
-    num_cached_tokens: int
-    metrics: RequestMetrics
 
 
 @dataclass(slots=True)
@@ -102,8 +96,8 @@ class LLMEngine:
             gpu_memory_utilization=config.gpu_memory_utilization, progress=progress,
         )
         self.model_name = loaded.name
-        self.tokenizer = loaded.tokenizer
-        self.plan = loaded.plan
+        self.tokenizer: Tokenizer = loaded.tokenizer
+        self.plan: Plan = loaded.plan
         self.precision = loaded.precision
         self.device = loaded.device
         self.max_model_len = loaded.max_model_len
@@ -118,8 +112,7 @@ class LLMEngine:
             config.max_num_batched_tokens or self.plan.max_num_batched_tokens,
             config.max_num_seqs or self.plan.max_num_seqs,
         )
-        self.requests: dict[str, Sequence] = {}
-        self._prompt_text: dict[str, str | None] = {}
+        self.requests: dict[str, RequestState] = {}  # live requests only: a finished one leaves at once
         self._ids = itertools.count()
         self._last_step = 0.0
         self._last_batch = (0, 0)
@@ -129,6 +122,11 @@ class LLMEngine:
         self._max_batch = 0
 
     # ---- requests ----
+
+    @property
+    def context_limit(self) -> int:
+        """Tokens one sequence may hold: the model's limit, or the whole KV pool if smaller."""
+        return min(self.max_model_len, self.block_manager.num_blocks * self.block_manager.block_size)
 
     def encode_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -151,30 +149,25 @@ class LLMEngine:
         text, ids = self.encode_prompt(prompt)
         if not ids:
             raise LocalLLMError("the prompt is empty")
-        limit = min(self.max_model_len, self.block_manager.num_blocks * self.block_manager.block_size)
+        limit = self.context_limit
         if len(ids) >= limit:
             raise LocalLLMError(
                 f"the prompt is {len(ids)} tokens but the context limit is {limit}; "
                 "shorten it or start with a larger --max-model-len"
             )
-        seq = Sequence(
-            request_id, ids, params, IncrementalDetokenizer(self.tokenizer),
-            () if params.ignore_eos else self.tokenizer.eos_token_ids, limit,
-        )
-        self._prompt_text[request_id] = text
-        self.requests[request_id] = seq
+        seq = Sequence(request_id, ids, params, () if params.ignore_eos else self.tokenizer.eos_token_ids, limit)
+        self.requests[request_id] = RequestState(
+            seq, text, IncrementalDetokenizer(self.tokenizer), RequestMetrics(time.monotonic()))
         self.scheduler.add(seq)
         return request_id
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Frees the request's blocks at once; returns its final (partial) output."""
-        seq = self.requests.pop(request_id, None)
-        if seq is None:
+        state = self.requests.get(request_id)
+        if state is None:
             return None
-        self.scheduler.finish(seq)
-        seq.finish_reason = "abort"
-        seq.metrics.finished_time = time.monotonic()
-        return self._output(seq, [], "")
+        self.scheduler.finish(state.seq, "abort")
+        return self._final(state, time.monotonic(), state.flush())
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -186,97 +179,94 @@ class LLMEngine:
         if not batch.seqs:
             return []
         t0 = time.monotonic()
-        sampled_seqs, sampled = self.runner.execute(batch)
-        now = time.monotonic()
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            if seq.metrics.first_scheduled_time is None:
-                seq.metrics.first_scheduled_time = t0
+        for seq in batch.seqs:
+            m = self.requests[seq.request_id].metrics
+            if m.first_scheduled_time is None:
+                m.first_scheduled_time = t0
                 self._hit_tokens += max(seq.num_cached_tokens, 0)
                 self._prompt_tokens += seq.num_prompt_tokens
-            seq.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(seq)
-        outputs = []
-        if sampled is not None:
-            for i, seq in enumerate(sampled_seqs):
-                outputs.append(self._append_token(seq, sampled.token_ids[i], sampled, i, now))
-        self._last_step = now - t0
-        self._last_batch = (len(batch.seqs), batch.num_tokens)
-        self._max_batch = max(self._max_batch, len(batch.seqs))
-        rate = len(sampled_seqs) / max(self._last_step, 1e-9)
-        self._tok_rate = rate if self._tok_rate == 0 else 0.8 * self._tok_rate + 0.2 * rate
+        try:
+            sampling_seqs, logits = self.runner.execute(batch)
+        except Exception as e:  # noqa: BLE001 - the batch's requests fail; the engine goes on
+            logger.exception("the forward pass failed; failing the %d requests of its batch", len(batch.seqs))
+            error = _request_error(e, "the forward pass of its batch")
+            outputs = [self._fail(self.requests[s.request_id], error, time.monotonic()) for s in batch.seqs]
+            self._record_step(t0, batch.num_tokens, len(batch.seqs), 0)
+            return outputs
+        sampled, failed = self._sample(sampling_seqs, logits)
+        self.scheduler.update(batch, [(seq, out.token_ids[row]) for seq, out, row in sampled])
+        now = time.monotonic()
+        outputs = [self._fail(self.requests[seq.request_id], e, now) for seq, e in failed]
+        for seq, out, row in sampled:
+            state = self.requests[seq.request_id]
+            try:
+                outputs.append(self._process(state, out, row, now))
+            except Exception as e:  # noqa: BLE001 - detokenizing or a stop check failed: this request only
+                logger.exception("request %s failed after sampling", seq.request_id)
+                outputs.append(self._fail(state, _request_error(e, "detokenizing its token"), now))
+        self._record_step(t0, batch.num_tokens, len(batch.seqs), len(sampling_seqs))
         return outputs
 
-    def _append_token(self, seq: Sequence, token: int, sampled: Any, row: int, now: float) -> RequestOutput:
-        m = seq.metrics
-        if m.first_token_time is None:
-            m.first_token_time = now
-        elif m.last_token_time is not None:
-            m.inter_token_latencies.append(now - m.last_token_time)
-        m.last_token_time = now
-        seq.token_ids.append(token)
-        if sampled.logprobs is not None:
-            seq.cumulative_logprob += sampled.logprobs[row]
-            if seq.params.logprobs is not None:
-                top = dict(sampled.top_logprobs[row])
-                top.setdefault(token, sampled.logprobs[row])
-                seq.logprobs.append(top)
-        params = seq.params
-        stopped_on_token = token in seq.eos_token_ids or token in params.stop_token_ids
-        if stopped_on_token:
-            seq.finish_reason = "stop"
-            seq.stop_reason = None if token in seq.eos_token_ids else token
+    def _sample(
+        self, seqs: list[Sequence], logits: torch.Tensor | None
+    ) -> tuple[list[tuple[Sequence, SamplerOutput, int]], list[tuple[Sequence, Exception]]]:
+        """One batched sampler call; if it raises, each row again alone, so only the requests
+        whose own sampling fails are failed. A seeded request's generator is rewound first,
+        so a row sampled alone gets the token it would have had in the batch."""
+        if logits is None:
+            return [], []
+        generators = [(s.generator, s.generator.get_state()) for s in seqs if s.generator is not None]
+        with torch.inference_mode():
+            try:
+                out = sample(logits, seqs)
+                return [(s, out, i) for i, s in enumerate(seqs)], []
+            except Exception:  # noqa: BLE001 - find out which rows it was
+                logger.exception("batched sampling failed; sampling the %d rows one at a time", len(seqs))
+            for g, state in generators:
+                g.set_state(state)
+            sampled: list[tuple[Sequence, SamplerOutput, int]] = []
+            failed: list[tuple[Sequence, Exception]] = []
+            for i, s in enumerate(seqs):
+                try:
+                    sampled.append((s, sample(logits[i : i + 1], [s]), 0))
+                except Exception as e:  # noqa: BLE001 - this request's own failure
+                    failed.append((s, _request_error(e, "sampling its token")))
+        return sampled, failed
+
+    def _process(self, state: RequestState, out: SamplerOutput, row: int, now: float) -> RequestOutput:
+        """The request's output for the token ``Scheduler.update`` just appended."""
+        seq = state.seq
+        token = seq.token_ids[-1]
+        state.metrics.on_token(now)
+        if out.logprobs is not None:
+            state.add_logprobs(token, out.logprobs[row], out.top_logprobs[row] if out.top_logprobs else None)
+        if seq.finished and seq.finish_reason == "stop":  # eos or a stop token: its text is not shown
+            delta = state.flush()
         else:
-            seq.output_text += seq.detokenizer.add([token])
-            if params.stop:
-                self._check_stop_strings(seq)
-        if seq.finish_reason is None:
-            if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
-                seq.finish_reason = "length"
-            elif seq.num_tokens >= seq.max_model_len:
-                seq.finish_reason = "length"
-        finished = seq.finish_reason is not None
-        if finished:
-            self.scheduler.finish(seq)
-            self.requests.pop(seq.request_id, None)
-            m.finished_time = now
-        # Hold back text that may be the start of a stop string still being generated.
-        hold = 0 if finished or not params.stop else max(len(s) for s in params.stop) - 1
-        end = max(seq.num_emitted_chars, len(seq.output_text) - hold)
-        delta = seq.output_text[seq.num_emitted_chars : end]
-        seq.num_emitted_chars = end
-        return self._output(seq, [token], delta)
+            delta, stop = state.add_text(token)
+            if stop is not None:
+                self.scheduler.finish(seq, "stop", stop)
+        if seq.finished:
+            return self._final(state, now, delta, [token])
+        return state.output([token], delta)
 
-    @staticmethod
-    def _check_stop_strings(seq: Sequence) -> None:
-        assert isinstance(seq.params.stop, list)
-        longest = max(len(s) for s in seq.params.stop)
-        window_start = max(0, seq.num_emitted_chars - longest)
-        best = -1
-        for s in seq.params.stop:
-            at = seq.output_text.find(s, window_start)
-            if at != -1 and (best == -1 or at < best):
-                best, seq.stop_reason = at, s
-        if best != -1:
-            seq.output_text = seq.output_text[:best]
-            seq.finish_reason = "stop"
+    def _fail(self, state: RequestState, error: Exception, now: float) -> RequestOutput:
+        self.scheduler.finish(state.seq, "error")
+        return self._final(state, now, "", error=error)
 
-    def _output(self, seq: Sequence, new_ids: list[int], delta: str) -> RequestOutput:
-        completion = CompletionOutput(
-            index=0,
-            text=seq.output_text,
-            token_ids=seq.output_token_ids,
-            cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None,
-            logprobs=seq.logprobs if seq.params.logprobs is not None else None,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-            delta_text=delta,
-            delta_token_ids=new_ids,
-        )
-        prompt = self._prompt_text.pop(seq.request_id, None) if seq.finish_reason else self._prompt_text.get(seq.request_id)
-        return RequestOutput(
-            seq.request_id, prompt, seq.token_ids[: seq.num_prompt_tokens], [completion],
-            seq.finish_reason is not None, max(seq.num_cached_tokens, 0), seq.metrics,
-        )
+    def _final(
+        self, state: RequestState, now: float, delta: str, delta_ids: Seq[int] = (), error: Exception | None = None
+    ) -> RequestOutput:
+        self.requests.pop(state.seq.request_id, None)
+        state.metrics.finished_time = now
+        return state.output(list(delta_ids), delta, error)
+
+    def _record_step(self, t0: float, num_tokens: int, num_seqs: int, num_sampled: int) -> None:
+        self._last_step = time.monotonic() - t0
+        self._last_batch = (num_seqs, num_tokens)
+        self._max_batch = max(self._max_batch, num_seqs)
+        rate = num_sampled / max(self._last_step, 1e-9)
+        self._tok_rate = rate if self._tok_rate == 0 else 0.8 * self._tok_rate + 0.2 * rate
 
     # ---- metrics ----
 
@@ -306,14 +296,15 @@ class LLMEngine:
         on_output: Callable[[RequestOutput], None] | None = None,
     ) -> list[RequestOutput]:
         """Runs prompts to completion; results in prompt order. ``n > 1`` becomes n requests
-        that share the prompt (and so its KV, through the prefix cache)."""
+        that share the prompt (and so its KV, through the prefix cache). A request that fails
+        raises its error once every request has ended."""
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         ids: list[list[str]] = []
         for prompt, p in zip(prompts, params):
             group = []
             for i in range(p.n):
-                sub = p if p.n == 1 else _replace(p, n=1, seed=None if p.seed is None else p.seed + i)
+                sub = p if p.n == 1 else dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + i)
                 group.append(self.add_request(prompt, sub))
             ids.append(group)
         final: dict[str, RequestOutput] = {}
@@ -323,10 +314,13 @@ class LLMEngine:
                     on_output(out)
                 if out.finished:
                     final[out.request_id] = out
+        error = next((o.error for o in final.values() if o.error is not None), None)
+        if error is not None:
+            raise error
         results = []
         for group in ids:
             first = final[group[0]]
-            outs = [final[r].outputs[0] for r in group]
+            outs: list[CompletionOutput] = [final[r].outputs[0] for r in group]
             for i, o in enumerate(outs):
                 o.index = i
             results.append(RequestOutput(first.request_id, first.prompt, first.prompt_token_ids, outs,
@@ -334,13 +328,15 @@ class LLMEngine:
         return results
 
 
-def _replace(p: SamplingParams, **changes: Any) -> SamplingParams:
-    values = {f: getattr(p, f) for f in SamplingParams.__dataclass_fields__}
-    values.update(changes)
-    return SamplingParams(**values)
+def _request_error(e: Exception, stage: str) -> Exception:
+    """What a failed request's consumer gets: our own errors as they are (they are written for
+    users), anything else named with where it happened."""
+    if isinstance(e, LocalLLMError):
+        return e
+    return RuntimeError(f"request failed in {stage}: {type(e).__name__}: {e}")
 
 
 __all__ = [
-    "CompletionOutput", "EngineConfig", "EngineStats", "LLMEngine", "RequestOutput", "SamplingParams",
+    "CompletionOutput", "EngineConfig", "EngineStats", "LLMEngine", "Prompt", "RequestOutput", "SamplingParams",
     "SequenceStatus",
 ]

@@ -1,4 +1,4 @@
-"""Turns a scheduled batch into one forward pass over the paged KV cache, then samples.
+"""Turns a scheduled batch into one forward pass over the paged KV cache.
 
 The batch is flat (varlen): the new tokens of every sequence back to back, decodes first,
 described by ``AttentionMetadata``. Slot mapping and positions are computed with tensor ops
@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import torch
 
-from localllm.engine.sampler import SamplerOutput, sample
 from localllm.engine.scheduler import ScheduledBatch
 from localllm.engine.sequence import Sequence
 from localllm.models.llama import AttentionMetadata, LlamaForCausalLM
@@ -116,7 +115,10 @@ class ModelRunner:
     # ---- execution ----
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], SamplerOutput | None]:
+    def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor | None]:
+        """The forward pass: the sequences that yield a token this step, and their logits
+        (row i for sequence i; None when every sequence is mid-prefill). Sampling is the
+        engine's, so that one request's sampling failure stays that request's."""
         inputs = self.prepare(batch)
         n = len(batch.seqs)
         if self.graphs and batch.num_decodes == n and n <= max(self.graphs):
@@ -125,8 +127,7 @@ class ModelRunner:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         if not inputs.sampling_seqs:
             return [], None
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        return inputs.sampling_seqs, sample(logits, inputs.sampling_seqs)
+        return inputs.sampling_seqs, self.model.compute_logits(hidden[inputs.logits_indices])
 
     # ---- CUDA graphs (decode only) ----
 

@@ -67,10 +67,11 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         device = logits.device
         temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
         logits = logits / temps[:, None]
-        top_ks = [p.top_k for p in params]
-        if any(k > 0 for k in top_ks):
-            vocab = logits.shape[-1]
-            k = torch.tensor([k if k > 0 else vocab for k in top_ks], device=device)
+        vocab = logits.shape[-1]
+        # top_k <= 0 (off) or >= the vocabulary keeps every token, so k - 1 is always a valid column.
+        top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        if any(k < vocab for k in top_ks):
+            k = torch.tensor(top_ks, device=device)
             kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = logits.softmax(dim=-1)
@@ -97,7 +98,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
     if raw_logprobs is None:
         return SamplerOutput(ids, None, None)
     chosen = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist()
-    n_top = max(p.logprobs or 0 for p in params)
+    n_top = min(max(p.logprobs or 0 for p in params), raw_logprobs.shape[-1])
     tops: list[dict[int, float]] = []
     if n_top:
         values, indices = raw_logprobs.topk(n_top, dim=-1)

@@ -5,11 +5,18 @@ One rule, as in vLLM v1: every sequence has tokens it still has to compute
 them. Running sequences (mostly decodes, one token each) are served first, then waiting ones,
 whose prompts are chunked to what the budget leaves. So a long prompt never stalls the decodes
 of other chats, and prefill and decode share one forward pass.
+
+The scheduler is the one writer of a sequence's progress: ``schedule`` admits and preempts,
+``update`` (after the forward pass) advances ``num_computed_tokens``, registers newly full
+blocks in the prefix cache, appends sampled tokens and finishes sequences on eos, a stop
+token or a length limit; ``finish`` ends one for any other reason (a stop string, an abort,
+an error). Finishing frees the blocks at once.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from typing import NamedTuple
 
 from localllm.engine.block_manager import BlockManager
@@ -98,11 +105,32 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def finish(self, seq: Sequence) -> None:
-        """Removes a finished or aborted sequence and frees its blocks at once."""
+    def update(self, batch: ScheduledBatch, sampled: Iterable[tuple[Sequence, int]]) -> None:
+        """After ``batch``'s forward pass: every scheduled token is computed, and each sequence
+        in ``sampled`` gets its new token. A sequence that hits eos, one of its stop token ids,
+        ``max_tokens`` or its context limit is finished here (and its blocks freed)."""
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
+        for seq, token in sampled:
+            seq.token_ids.append(token)
+            params = seq.params
+            if token in seq.eos_token_ids:
+                self.finish(seq, "stop")
+            elif token in (params.stop_token_ids or ()):
+                self.finish(seq, "stop", token)
+            elif (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens
+                  or seq.num_tokens >= seq.max_model_len):
+                self.finish(seq, "length")
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
+        """Ends ``seq`` for ``reason`` and frees its blocks at once. Finishing a finished
+        sequence again only replaces the reason: a stop string found in the text of the token
+        that also reached ``max_tokens`` makes it "stop", not "length"."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
+        seq.finish_reason, seq.stop_reason = reason, stop_reason

@@ -1,16 +1,15 @@
-"""What one request is: its sampling parameters, its tokens, its place in the KV cache and
-its timings. Everything the scheduler, block manager and runner read lives here."""
+"""What one request is to the scheduler, block manager, runner and sampler: its sampling
+parameters, its tokens and its place in the KV cache. What only the engine's front needs
+(prompt text, detokenizer, stop-string state, logprobs, timings) lives in ``outputs``."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
 
 from localllm.errors import LocalLLMError
-from localllm.tokenizer import IncrementalDetokenizer
 
 
 @dataclass(slots=True)
@@ -69,29 +68,19 @@ class SequenceStatus(Enum):
     FINISHED = "finished"
 
 
-@dataclass(slots=True)
-class RequestMetrics:
-    arrival_time: float
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    finished_time: float | None = None
-    inter_token_latencies: list[float] = field(default_factory=list)
-
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-
 @dataclass(slots=True, eq=False)
 class Sequence:
     """Invariants: ``num_computed_tokens <= len(token_ids)``; ``block_table`` covers at least
-    ``num_computed_tokens`` tokens; ``block_hashes[i]`` is the chained hash of full block i."""
+    ``num_computed_tokens`` tokens; ``block_hashes[i]`` is the chained hash of full block i.
+
+    ``token_ids`` only ever grows at the end (``Scheduler.update`` appends each sampled token;
+    preemption keeps them), so views of it handed out in earlier outputs stay valid. One
+    writer each: the scheduler for ``status``, ``num_computed_tokens``, ``finish_reason`` and
+    ``stop_reason``; the block manager for ``block_table`` and ``block_hashes``."""
 
     request_id: str
     token_ids: list[int]
     params: SamplingParams
-    detokenizer: IncrementalDetokenizer
     eos_token_ids: tuple[int, ...]
     max_model_len: int
     num_prompt_tokens: int = 0
@@ -101,14 +90,9 @@ class Sequence:
     num_preemptions: int = 0
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
-    output_text: str = ""
-    num_emitted_chars: int = 0
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     generator: torch.Generator | None = None
-    cumulative_logprob: float = 0.0
-    logprobs: list[dict[int, float]] = field(default_factory=list)
-    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = self.num_prompt_tokens or len(self.token_ids)
@@ -125,6 +109,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
+        """A copy: for the sampler's penalties, which need every output token anyway."""
         return self.token_ids[self.num_prompt_tokens :]
 
     @property

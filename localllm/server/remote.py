@@ -20,7 +20,7 @@ import ssl
 import sys
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -28,7 +28,8 @@ from urllib.parse import urlsplit
 import httpx
 
 from localllm.engine.engine import CompletionOutput, EngineStats, Prompt, RequestOutput
-from localllm.engine.sequence import RequestMetrics, SamplingParams
+from localllm.engine.outputs import Prefix, RequestMetrics
+from localllm.engine.sequence import SamplingParams
 from localllm.errors import LocalLLMError
 
 UNKNOWN_TOKEN = -1
@@ -104,6 +105,7 @@ class RemoteEngine:
         self._ids = itertools.count()
         self._tally = _Tally()
         self._stopped = False
+        self._placeholders: list[int] = []  # only grows: see _unknown
         self.model = self._discover_model(model)
 
     # ---- setup ----
@@ -233,15 +235,15 @@ class RemoteEngine:
                     self._tally.chunk_times.append(now)
                     text_parts.append(delta)
                     n_chunks += 1
-                    yield self._output(request_id, metrics, text_parts, delta, [UNKNOWN_TOKEN], n_chunks, {},
-                                       None, None, False)
+                    yield self._output(request_id, metrics, Prefix(text_parts), delta, [UNKNOWN_TOKEN], n_chunks,
+                                       {}, None, None, False)
                     continue
                 # "end" (the stream finished) or "aborted" (abort() or our own cancellation)
                 metrics.finished_time = time.monotonic()
                 if kind == "aborted":
                     finish = "abort"
                 self._count(usage)
-                yield self._output(request_id, metrics, text_parts, "", [], n_chunks, usage,
+                yield self._output(request_id, metrics, ("".join(text_parts),), "", [], n_chunks, usage,
                                    finish or "stop", stop_reason, True)
                 return
         finally:
@@ -316,16 +318,28 @@ class RemoteEngine:
         self._tally.cached_tokens += _cached(usage)
 
     def _output(
-        self, request_id: str, metrics: RequestMetrics, parts: list[str], delta: str, delta_ids: list[int],
+        self, request_id: str, metrics: RequestMetrics, text: Seq[str], delta: str, delta_ids: list[int],
         n_chunks: int, usage: dict[str, Any], finish: str | None, stop_reason: str | int | None, finished: bool,
     ) -> RequestOutput:
+        """Placeholder ids cost O(1) per chunk: one shared run of ``UNKNOWN_TOKEN`` viewed at the
+        right length (the final output, counted once, gets plain lists)."""
         n_out = _int(usage.get("completion_tokens")) or n_chunks
+        n_prompt = _int(usage.get("prompt_tokens"))
+        if finished:
+            token_ids: Seq[int] = [UNKNOWN_TOKEN] * n_out
+            prompt_ids: Seq[int] = [UNKNOWN_TOKEN] * n_prompt
+        else:
+            token_ids, prompt_ids = self._unknown(n_out), ()
         completion = CompletionOutput(
-            index=0, text="".join(parts), token_ids=[UNKNOWN_TOKEN] * n_out, cumulative_logprob=None, logprobs=None,
+            index=0, text_pieces=text, token_ids=token_ids, cumulative_logprob=None, logprobs=None,
             finish_reason=finish, stop_reason=stop_reason, delta_text=delta, delta_token_ids=delta_ids,
         )
-        return RequestOutput(request_id, None, [UNKNOWN_TOKEN] * _int(usage.get("prompt_tokens")), [completion],
-                             finished, _cached(usage), metrics)
+        return RequestOutput(request_id, None, prompt_ids, [completion], finished, _cached(usage), metrics)
+
+    def _unknown(self, n: int) -> Prefix[int]:
+        if len(self._placeholders) < n:
+            self._placeholders.extend([UNKNOWN_TOKEN] * max(n - len(self._placeholders), 1024))
+        return Prefix(self._placeholders, 0, n)
 
 
 def _parse_chunk(chunk: dict[str, Any], chat: bool) -> tuple[str, str | None, str | int | None, dict[str, Any]]:

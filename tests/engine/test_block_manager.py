@@ -10,7 +10,7 @@ from localllm.engine.sequence import SamplingParams, Sequence
 
 
 def _seq(tokens: list[int], rid: str = "r") -> Sequence:
-    return Sequence(rid, list(tokens), SamplingParams(), None, (), 10_000)  # type: ignore[arg-type]
+    return Sequence(rid, list(tokens), SamplingParams(), (), 10_000)
 
 
 def _check(bm: BlockManager, live: list[Sequence]) -> None:

@@ -216,9 +216,13 @@ class IncrementalDetokenizer:
     incomplete UTF-8 sequence, which is held back (never emitted as U+FFFD) until the bytes that
     complete it arrive. Decoding a small window that starts a few tokens back keeps merged
     pieces (leading spaces, multi-byte characters) intact at a constant cost per token.
+    The window never holds more than ``MAX_PENDING`` undecided tokens: a character is at most
+    four bytes, so text still incomplete after that many is invalid bytes (or a run of tokens
+    that decode to nothing), handed out as it decodes rather than let each token's cost grow.
     """
 
     __slots__ = ("tokenizer", "ids", "prefix_offset", "read_offset")
+    MAX_PENDING = 8
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -231,7 +235,8 @@ class IncrementalDetokenizer:
         decode = self.tokenizer.decode
         prefix_text = decode(self.ids[self.prefix_offset : self.read_offset])
         new_text = decode(self.ids[self.prefix_offset :])
-        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+        complete = len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd")
+        if complete or len(self.ids) - self.read_offset > self.MAX_PENDING:
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
             return new_text[len(prefix_text) :]
         return ""

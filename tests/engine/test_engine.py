@@ -1,5 +1,5 @@
 """Engine behaviour on the real default model: batching invariance under preemption and
-aborts, prefix caching, stragglers, seeded sampling and the async API."""
+aborts, prefix caching, stragglers, seeded sampling, failure isolation and the async API."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ import random
 
 import pytest
 
+from localllm.engine import engine as engine_module
 from localllm.engine.async_engine import AsyncEngine
 from localllm.engine.engine import EngineConfig, LLMEngine
 from localllm.engine.sequence import SamplingParams
+from localllm.tokenizer import IncrementalDetokenizer
 
 TOPICS = ["the ocean", "a red bicycle", "mountains", "bread baking", "the moon", "chess", "rainy days",
           "a library", "trains", "volcanoes", "honey bees", "winter", "jazz music", "deserts", "robots", "tea"]
@@ -160,3 +162,111 @@ async def test_async_engine_streams_and_aborts_on_cancel(small_pool_engine: LLME
         assert bm.num_free_blocks == bm.num_blocks
     finally:
         engine.shutdown()
+
+
+class _FailingDetokenizer(IncrementalDetokenizer):
+    """The real detokenizer, until its ``after``-th token."""
+
+    def __init__(self, tokenizer, after: int) -> None:  # noqa: ANN001
+        super().__init__(tokenizer)
+        self.left = after
+
+    def add(self, new_ids):  # noqa: ANN001, ANN201
+        self.left -= 1
+        if self.left < 0:
+            raise UnicodeError("injected detokenizer fault")
+        return super().add(new_ids)
+
+
+def _sampler_failing_for(request_id: str, after: int):  # noqa: ANN202
+    """The real sampler, failing once ``request_id`` has ``after`` tokens. It fails after the
+    batched draw, so a seeded neighbour's generator has moved and must be rewound."""
+    real = engine_module.sample
+
+    def sample(logits, seqs):  # noqa: ANN001, ANN202
+        out = real(logits, seqs)
+        if any(s.request_id == request_id and s.num_output_tokens >= after for s in seqs):
+            raise IndexError("injected sampler fault")
+        return out
+
+    return sample
+
+
+def test_one_failing_request_leaves_the_rest_of_the_batch_alone(small_pool_engine: LLMEngine, monkeypatch) -> None:
+    engine = small_pool_engine
+    tok = engine.tokenizer
+    prompts = [tok.encode(f"Here is a sentence about {t}:") for t in TOPICS[:4]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    params = [greedy, greedy, greedy, SamplingParams(temperature=1.0, seed=11, max_tokens=10, ignore_eos=True)]
+    alone = [_run_alone(engine, p, sp) for p, sp in zip(prompts, params)]
+
+    monkeypatch.setattr(engine_module, "sample", _sampler_failing_for("bad-sample", after=2))
+    engine.add_request(prompts[0], greedy, "bad-sample")
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(p, sp, f"ok{i}")
+    engine.add_request(prompts[1], greedy, "bad-text")
+    engine.requests["bad-text"].detokenizer = _FailingDetokenizer(tok, after=3)
+    finals = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+
+    bad = finals["bad-sample"]
+    assert isinstance(bad.error, RuntimeError) and "sampling" in str(bad.error) and "injected" in str(bad.error)
+    assert bad.outputs[0].finish_reason == "error" and len(bad.outputs[0].token_ids) == 2
+    text = finals["bad-text"]
+    assert "detokenizing" in str(text.error) and text.outputs[0].finish_reason == "error"
+    for i in range(4):
+        assert finals[f"ok{i}"].error is None
+        assert finals[f"ok{i}"].outputs[0].token_ids == alone[i], i
+    bm = engine.block_manager
+    assert not engine.requests and bm.num_free_blocks == bm.num_blocks
+
+
+def test_a_failing_forward_pass_fails_its_batch_and_the_engine_goes_on(small_pool_engine: LLMEngine,
+                                                                       monkeypatch) -> None:
+    engine = small_pool_engine
+    tok = engine.tokenizer
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompt = tok.encode("The weather today is")
+    want = _run_alone(engine, prompt, params)
+    engine.add_request(prompt, params, "a")
+    engine.add_request(tok.encode("My favourite book is"), params, "b")
+    engine.step()
+
+    def broken(batch):  # noqa: ANN001, ANN202
+        raise RuntimeError("injected forward fault")
+
+    monkeypatch.setattr(engine.runner, "execute", broken)
+    outs = engine.step()
+    assert sorted(o.request_id for o in outs) == ["a", "b"]
+    assert all(o.finished and "forward pass" in str(o.error) for o in outs)
+    bm = engine.block_manager
+    assert not engine.requests and bm.num_free_blocks == bm.num_blocks
+    monkeypatch.undo()
+    assert _run_alone(engine, prompt, params) == want  # the next steps run as before
+
+
+async def test_async_engine_raises_on_the_failing_stream_only(small_pool_engine: LLMEngine, monkeypatch) -> None:
+    monkeypatch.setattr(engine_module, "sample", _sampler_failing_for("bad", after=1))
+    engine = AsyncEngine(small_pool_engine)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    async def collect(prompt: str, request_id: str) -> list[int] | BaseException:
+        try:
+            async for out in engine.generate(prompt, params, request_id):
+                final = out
+            return list(final.outputs[0].token_ids)
+        except Exception as e:  # noqa: BLE001
+            return e
+
+    try:
+        results = await asyncio.gather(*(collect(f"Topic {i}: {t}.", f"r{i}") for i, t in enumerate(TOPICS[:3])),
+                                       collect("Topic x: failure.", "bad"))
+    finally:
+        engine.shutdown()
+    assert isinstance(results[-1], RuntimeError) and "injected sampler fault" in str(results[-1])
+    for i, r in enumerate(results[:3]):
+        assert r == _run_alone(small_pool_engine, small_pool_engine.tokenizer.encode(f"Topic {i}: {TOPICS[i]}."),
+                               params)

@@ -1,0 +1,130 @@
+"""The sampler on synthetic logits (no model): top-k, top-p, min-p, penalties, seeds, logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from localllm.engine.sampler import sample
+from localllm.engine.sequence import SamplingParams, Sequence
+
+VOCAB = 10
+
+
+def _seq(params: SamplingParams, prompt: tuple[int, ...] = (0,), outputs: tuple[int, ...] = ()) -> Sequence:
+    return Sequence("r", [*prompt, *outputs], params, (), 1000, num_prompt_tokens=len(prompt))
+
+
+def _draws(logits: list[float], n: int = 300, **kw: object) -> set[int]:
+    """The tokens seen over ``n`` seeded draws of one row."""
+    row = torch.tensor([logits])
+    return {sample(row, [_seq(SamplingParams(seed=s, **kw))]).token_ids[0] for s in range(n)}  # type: ignore[arg-type]
+
+
+PROBS = [0.5, 0.3, 0.15, 0.05]
+LOGITS = [math.log(p) for p in PROBS]
+
+
+def test_top_k_keeps_only_the_k_largest() -> None:
+    assert _draws(LOGITS, top_k=2) == {0, 1}
+    assert _draws(LOGITS, top_k=1) == {0}
+
+
+@pytest.mark.parametrize("k", [VOCAB, VOCAB + 1, 100_000, -1, 0])
+def test_top_k_at_or_beyond_the_vocabulary_is_no_top_k(k: int) -> None:
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(1))
+    for seed in range(20):
+        off = sample(logits, [_seq(SamplingParams(seed=seed + r)) for r in range(3)]).token_ids
+        big = sample(logits, [_seq(SamplingParams(seed=seed + r, top_k=k)) for r in range(3)]).token_ids
+        assert big == off
+
+
+def test_top_k_mixed_with_rows_beyond_the_vocabulary() -> None:
+    logits = torch.tensor([LOGITS, LOGITS])
+    for seed in range(50):
+        ids = sample(logits, [_seq(SamplingParams(seed=seed, top_k=1)),
+                              _seq(SamplingParams(seed=seed, top_k=10**9))]).token_ids
+        assert ids[0] == 0
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
+    assert _draws(LOGITS, top_p=0.7) == {0, 1}
+    assert _draws(LOGITS, top_p=0.45) == {0}  # the top token alone reaches it
+    assert _draws(LOGITS, top_p=0.81) == {0, 1, 2}
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_top() -> None:
+    assert _draws(LOGITS, min_p=0.5) == {0, 1}  # 0.3 >= 0.25 > 0.15
+    assert _draws(LOGITS, min_p=0.2) == {0, 1, 2}
+    assert _draws(LOGITS) == {0, 1, 2, 3}
+
+
+def test_greedy_is_argmax_whatever_else_is_in_the_batch() -> None:
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(2))
+    seqs = [_seq(SamplingParams(temperature=0)), _seq(SamplingParams(temperature=1.5)),
+            _seq(SamplingParams(temperature=0, top_p=0.3)), _seq(SamplingParams(top_k=1))]
+    ids = sample(logits, seqs).token_ids
+    argmax = logits.argmax(-1).tolist()
+    assert [ids[0], ids[2], ids[3]] == [argmax[0], argmax[2], argmax[3]]
+
+
+def test_repetition_penalty_covers_prompt_and_output_tokens() -> None:
+    # token 3 leads, 4 is close behind; 3 was generated before, so a penalty of 2 halves it
+    logits = torch.tensor([[0.0, 0.0, 0.0, 2.0, 1.9, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    assert sample(logits, [_seq(SamplingParams(temperature=0), outputs=(3,))]).token_ids == [3]
+    assert sample(logits, [_seq(SamplingParams(temperature=0, repetition_penalty=2.0), outputs=(3,))]).token_ids == [4]
+    # a prompt token counts as seen too, as in vLLM
+    assert sample(logits, [_seq(SamplingParams(temperature=0, repetition_penalty=2.0), prompt=(3,))]).token_ids == [4]
+    # negative logits are multiplied, so a penalty always makes a seen token less likely
+    neg = torch.tensor([[-1.0, -1.5] + [-9.0] * 8])
+    assert sample(neg, [_seq(SamplingParams(temperature=0, repetition_penalty=2.0), prompt=(0,))]).token_ids == [1]
+
+
+def test_presence_and_frequency_penalties() -> None:
+    logits = torch.tensor([[0.0, 0.0, 0.0, 2.0, 1.5, 1.2, 0.0, 0.0, 0.0, 0.0]])
+    seen = (3, 3, 4)  # token 3 twice, token 4 once
+    greedy = dict(temperature=0)
+    assert sample(logits, [_seq(SamplingParams(**greedy), outputs=seen)]).token_ids == [3]
+    # presence: -0.6 once per seen token -> 3: 1.4, 4: 0.9, 5: 1.2
+    assert sample(logits, [_seq(SamplingParams(presence_penalty=0.6, **greedy), outputs=seen)]).token_ids == [3]
+    # frequency: -0.45 per occurrence -> 3: 1.1, 4: 1.05, 5: 1.2
+    assert sample(logits, [_seq(SamplingParams(frequency_penalty=0.45, **greedy), outputs=seen)]).token_ids == [5]
+    # prompt tokens do not count for presence or frequency
+    assert sample(logits, [_seq(SamplingParams(presence_penalty=2.0, **greedy), prompt=(3,))]).token_ids == [3]
+
+
+def test_a_seed_fixes_the_tokens_and_ignores_the_batch() -> None:
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(3))
+
+    def run(seed: int, batch: bool) -> list[int]:
+        target = _seq(SamplingParams(seed=seed, temperature=1.0))
+        seqs = [_seq(SamplingParams(temperature=0.9)), target, _seq(SamplingParams(seed=7))] if batch else [target]
+        rows = logits if batch else logits[1:2]
+        out = []
+        for _ in range(16):  # the generator advances with each draw
+            out.append(sample(rows, seqs).token_ids[1 if batch else 0])
+        return out
+
+    assert run(5, batch=False) == run(5, batch=True)
+    assert run(5, batch=False) != run(6, batch=False)
+
+
+def test_logprobs_are_of_the_raw_distribution() -> None:
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(4))
+    raw = torch.log_softmax(logits, -1)
+    out = sample(logits, [_seq(SamplingParams(temperature=0, logprobs=3)), _seq(SamplingParams(temperature=0))])
+    assert out.logprobs is not None and out.top_logprobs is not None
+    for r in range(2):
+        assert out.logprobs[r] == pytest.approx(raw[r, out.token_ids[r]].item())
+    top = out.top_logprobs[0]
+    assert list(top) == raw[0].topk(3).indices.tolist()
+    assert list(top.values()) == pytest.approx(raw[0].topk(3).values.tolist())
+    assert out.top_logprobs[1] == {}  # this row asked for none
+
+
+def test_more_logprobs_than_the_vocabulary_holds() -> None:
+    logits = torch.randn(1, 4)
+    out = sample(logits, [_seq(SamplingParams(temperature=0, logprobs=20))])
+    assert out.top_logprobs is not None and len(out.top_logprobs[0]) == 4

@@ -1,7 +1,7 @@
 """``localllm bench``: throughput and latency of the engine (or of any OpenAI-compatible
 server, with ``--endpoint``) on the workloads that matter for chat.
 
-Workloads (issue 3, "Benchmark"):
+Workloads:
 
 - ``chats``: N concurrent chats (N = 1, 4, 16, 64) served from a shared queue of
   ``rounds * N`` requests, each chat sending its next request as soon as its reply ends.
@@ -42,7 +42,14 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import httpx
+
+    from localllm.engine.async_engine import AsyncEngine
+    from localllm.engine.engine import LLMEngine
+    from localllm.server.remote import RemoteEngine
 
 WORKLOADS = ("chats", "rag", "multiturn")
 MIXES = ("mixed", "straggler")
@@ -147,13 +154,12 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 class _Target:
     """What the benchmark needs from a local ``AsyncEngine`` or a ``RemoteEngine``."""
 
-    def __init__(self, engine: Any) -> None:
-        from localllm.engine.engine import LLMEngine
+    def __init__(self, engine: AsyncEngine | RemoteEngine) -> None:
+        from localllm.server.remote import RemoteEngine
 
         self.engine = engine
-        inner = getattr(engine, "engine", None)
-        self.llm: LLMEngine | None = inner if isinstance(inner, LLMEngine) else None
-        self.endpoint: str | None = getattr(engine, "endpoint", None)
+        self.llm: LLMEngine | None = None if isinstance(engine, RemoteEngine) else engine.engine
+        self.endpoint: str | None = engine.endpoint if isinstance(engine, RemoteEngine) else None
         self._metrics_ok = self.endpoint is not None
 
     @property
@@ -180,7 +186,7 @@ class _Target:
         finally:
             bm.enable_prefix_caching = before
 
-    async def kv_sample(self, client: Any) -> tuple[float | None, int | None, int | None, int | None]:
+    async def kv_sample(self, client: httpx.AsyncClient | None) -> tuple[float | None, int | None, int | None, int | None]:
         """(KV usage, KV blocks used, batch size, preemptions so far), None where unknown."""
         if self.llm is not None:
             s = self.engine.stats()
@@ -191,7 +197,7 @@ class _Target:
             return None, None, None, None
         return await self._scrape(client), None, None, None
 
-    async def _scrape(self, client: Any) -> float | None:
+    async def _scrape(self, client: httpx.AsyncClient) -> float | None:
         """KV usage from a Prometheus /metrics page: vLLM's, SGLang's and ours."""
         assert self.endpoint is not None
         url = re.sub(r"/v1$", "", self.endpoint) + "/metrics"
@@ -530,7 +536,7 @@ async def bench_multiturn(target: _Target, opts: BenchOptions, nonce: str) -> di
 
 # ---- batch-1 decode: the engine against a plain loop ----
 
-def plain_greedy(llm: Any, prompt_ids: list[int], n_tokens: int) -> tuple[list[int], float]:
+def plain_greedy(llm: LLMEngine, prompt_ids: list[int], n_tokens: int) -> tuple[list[int], float]:
     """Greedy decode straight on the model runner's model and KV pool: one sequence, a
     contiguous block table, argmax; no scheduler, sampler or detokenizer. Returns the tokens
     and the decode rate (tokens after the first, per second). The engine must be idle: the
@@ -612,7 +618,7 @@ async def bench_plain(target: _Target, opts: BenchOptions) -> dict[str, Any]:
 
 # ---- the whole benchmark ----
 
-async def run_bench(engine: Any, opts: BenchOptions) -> dict[str, Any]:
+async def run_bench(engine: AsyncEngine | RemoteEngine, opts: BenchOptions) -> dict[str, Any]:
     """Runs the chosen workloads on ``engine`` (an ``AsyncEngine`` or a ``RemoteEngine``),
     which must be idle, and returns the report that ``--json`` prints."""
     target = _Target(engine)
@@ -716,14 +722,14 @@ def _positive_ints(text: str) -> tuple[int, ...]:
     return items
 
 
-def register(sub: Any) -> None:
-    from localllm.cli import _add_model_arg, _lazy
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from localllm.cli_common import add_engine_args, add_model_arg
 
-    p: argparse.ArgumentParser = sub.add_parser(
+    p = sub.add_parser(
         "bench", help="throughput and latency: concurrent chats, shared-prefix RAG, multi-turn",
         description="Benchmarks the local engine, or any OpenAI-compatible server with --endpoint.",
     )
-    _add_model_arg(p)
+    add_model_arg(p)
     p.add_argument("--endpoint", default=None, help="benchmark this OpenAI-compatible server instead")
     p.add_argument("--api-key", default=None)
     p.add_argument("--workload", type=_csv(str, WORKLOADS), default=WORKLOADS, help="default chats,rag,multiturn")
@@ -739,12 +745,9 @@ def register(sub: Any) -> None:
     p.add_argument("--turns", type=int, default=10, help="multiturn turns (default 10)")
     p.add_argument("--plain-tokens", type=int, default=64, help="batch-1 decode tokens against the plain loop (0 skips)")
     p.add_argument("--json", action="store_true", help="print the full report as JSON")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
-    p.add_argument("--quant", default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
+    add_engine_args(p)
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (default: the plan's)")
-    p.add_argument("--device", default=None)
-    p.set_defaults(func=_lazy("localllm.bench:main"))
+    p.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -766,25 +769,20 @@ def main(args: argparse.Namespace) -> int:
     if args.endpoint:
         from localllm.server.remote import RemoteEngine
 
-        engine: Any = RemoteEngine(args.endpoint, api_key=args.api_key, model=args.model)
+        engine: AsyncEngine | RemoteEngine = RemoteEngine(args.endpoint, api_key=args.api_key, model=args.model)
     else:
-        from localllm.commands import _progress_printer
+        from localllm.cli_common import engine_config_from_args, progress_printer
         from localllm.engine.async_engine import AsyncEngine
-        from localllm.engine.engine import EngineConfig, LLMEngine
+        from localllm.engine.engine import LLMEngine
 
-        config = EngineConfig(
-            model=args.model, dtype=args.dtype, device=args.device, quant=args.quant,
-            max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
-            max_num_seqs=max(max(args.chats), 1),
-        )
-        engine = AsyncEngine(LLMEngine(config, progress=_progress_printer()))
+        config = engine_config_from_args(args, num_kv_blocks=args.num_kv_blocks, max_num_seqs=max(max(args.chats), 1))
+        engine = AsyncEngine(LLMEngine(config, progress=progress_printer()))
 
     async def go() -> dict[str, Any]:
         try:
             return await run_bench(engine, opts)
         finally:
-            if hasattr(engine, "aclose"):
-                await engine.aclose()
+            await engine.aclose()
 
     try:
         report = asyncio.run(go())

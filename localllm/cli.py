@@ -10,6 +10,7 @@ import sys
 from collections.abc import Callable, Sequence
 from importlib.metadata import PackageNotFoundError, version
 
+from localllm.cli_common import add_engine_args, add_model_arg, add_sampling_args
 from localllm.errors import LocalLLMError
 
 
@@ -30,29 +31,6 @@ def _lazy(target: str) -> Callable[[argparse.Namespace], int]:
     return handler
 
 
-def _add_model_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model", "-m", default=None,
-        help="catalog name, HF repo id, local HF folder or .gguf file (default: the embedded default)",
-    )
-
-
-def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default 0.7 for chat, 0 for --raw)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--max-tokens", type=int, default=512)
-    p.add_argument("--seed", type=int, default=None)
-
-
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
-    p.add_argument("--quant", default=None, help="online weight quantization: int8, fp8, awq, rtn4 (default: the plan's)")
-    p.add_argument("--max-model-len", type=int, default=None, help="context limit per sequence")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: the best available)")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="localllm", description="Local-first LLM inference.")
     parser.add_argument("--version", action="version", version=f"localllm {_version()}")
@@ -60,15 +38,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("run", help="generate a reply to one prompt, streamed to stdout")
-    _add_model_arg(p)
+    add_model_arg(p)
     p.add_argument("prompt", help="the user message (or the raw text with --raw)")
     p.add_argument("--raw", action="store_true", help="plain completion, no chat template")
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--json", action="store_true", help="print token ids, text and timings as JSON")
     p.add_argument("--endpoint", default=None, help="an OpenAI-compatible server URL instead of the local engine")
     p.add_argument("--api-key", default=None)
-    _add_sampling_args(p)
-    _add_engine_args(p)
+    add_sampling_args(p)
+    add_engine_args(p)
     p.set_defaults(func=_lazy("localllm.commands:run"))
 
     p = sub.add_parser("pull", help="download a model into the local store")

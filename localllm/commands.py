@@ -4,136 +4,133 @@ arguments never imports torch."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
-
 import sys
 import time
-from typing import Any
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
 
+from localllm.cli_common import engine_config_from_args, progress_printer, sampling_from_args
 
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def _progress_printer() -> Any:
-    """A loading/quantizing progress bar on stderr (only when stderr is a terminal)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                   transient=True, disable=not sys.stderr.isatty())
-    tasks: dict[str, Any] = {}
-
-    def report(stage: str, done: int, total: int) -> None:
-        if not bar.live.is_started and not bar.disable:
-            bar.start()
-        if stage not in tasks:
-            tasks[stage] = bar.add_task(stage, total=total)
-        bar.update(tasks[stage], completed=done, total=total)
-        if done >= total and all(t.finished for t in bar.tasks):
-            bar.stop()
-
-    return report
-
-
-def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> Any:
-    from localllm.engine.engine import EngineConfig
-
-    return EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, quant=args.quant,
-        max_model_len=args.max_model_len, **overrides,
-    )
-
-
-def sampling_from_args(args: argparse.Namespace, default_temperature: float) -> Any:
+if TYPE_CHECKING:
+    from localllm.engine.async_engine import AsyncEngine
+    from localllm.engine.engine import EngineStats, LLMEngine, Prompt, RequestOutput
     from localllm.engine.sequence import SamplingParams
-
-    return SamplingParams(
-        temperature=default_temperature if args.temperature is None else args.temperature,
-        top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, max_tokens=args.max_tokens, seed=args.seed,
-    )
+    from localllm.hardware.probe import MemoryMeter
+    from localllm.server.remote import RemoteEngine
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.endpoint:
-        from localllm.server.remote import run_remote
-
-        return run_remote(args)
+    """One reply, streamed to stdout (or a JSON report), from the local engine or an
+    ``--endpoint``: the same loop over the same engine interface either way."""
     params = sampling_from_args(args, default_temperature=0.0 if args.raw else 0.7)
+    if args.raw:
+        prompt: Prompt = args.prompt
+    else:
+        system = [{"role": "system", "content": args.system}] if args.system else []
+        prompt = [*system, {"role": "user", "content": args.prompt}]
+    remote: RemoteEngine | None = None
+    llm: LLMEngine | None = None
+    started = time.monotonic()
+    if args.endpoint:
+        from localllm.server.remote import RemoteEngine
+
+        remote = RemoteEngine(args.endpoint, api_key=args.api_key, model=args.model)
+        engine: AsyncEngine | RemoteEngine = remote
+    else:
+        from localllm.engine.async_engine import AsyncEngine
+
+        llm, meter = _load(args)
+        engine = AsyncEngine(llm)
+    load_s = time.monotonic() - started
+    try:
+        result = asyncio.run(_reply(engine, prompt, params, echo=not args.json))
+        if llm is not None:
+            meter.stop()
+    finally:
+        engine.shutdown()
+    if not args.json:
+        sys.stdout.write("\n")
+        return 0
+    report = _report(result, engine.stats(), time.monotonic() - started)
+    if remote is not None:
+        report["endpoint"] = remote.endpoint
+    if llm is not None:
+        report["timings"]["load_s"] = round(load_s, 3)
+        report.update(_local_report(result, llm, meter))
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def _load(args: argparse.Namespace) -> tuple[LLMEngine, MemoryMeter]:
+    """The local engine, and a running meter of what loading and the reply cost."""
     from localllm.engine.engine import LLMEngine
     from localllm.hardware.probe import MemoryMeter
 
     # Library code is the process's baseline, not the model's: import it before measuring.
     import gguf, jinja2, safetensors, tokenizers  # noqa: E401, F401
+    import torch
 
-    meter = MemoryMeter("cuda" if args.device != "cpu" and _cuda() else "cpu").start()
+    meter = MemoryMeter("cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu").start()
+    return LLMEngine(engine_config_from_args(args, chats=1), progress=progress_printer()), meter
 
-    t_load = time.monotonic()
-    engine = LLMEngine(engine_config_from_args(args, chats=1), progress=_progress_printer())
-    load_s = time.monotonic() - t_load
-    if args.raw:
-        prompt: Any = args.prompt
-    else:
-        messages = [{"role": "system", "content": args.system}] if args.system else []
-        prompt = [*messages, {"role": "user", "content": args.prompt}]
-    stream = not args.json
 
-    def on_output(out: Any) -> None:
-        if stream and out.outputs[0].delta_text:
-            sys.stdout.write(out.outputs[0].delta_text)
-            sys.stdout.flush()
+async def _reply(engine: AsyncEngine | RemoteEngine, prompt: Prompt, params: SamplingParams, echo: bool) -> RequestOutput:
+    final = None
+    try:
+        async for out in engine.generate(prompt, params):
+            if echo and out.outputs[0].delta_text:
+                sys.stdout.write(out.outputs[0].delta_text)
+                sys.stdout.flush()
+            final = out
+    finally:
+        await engine.aclose()
+    assert final is not None and final.finished
+    return final
 
-    result = engine.generate([prompt], params, on_output=on_output)[0]
-    if stream:
-        sys.stdout.write("\n")
-        return 0
+
+def _report(result: RequestOutput, stats: EngineStats, total_s: float) -> dict[str, Any]:
+    """What any engine can tell: the text, token counts and timings."""
     m = result.metrics
-    n_out = len(result.outputs[0].token_ids)
+    c = result.outputs[0]
+    n_out = len(c.token_ids)
     prefill_s = (m.first_token_time or 0) - (m.first_scheduled_time or 0)
     decode_s = (m.last_token_time or 0) - (m.first_token_time or 0)
-    plan = engine.plan
-    report = {
-        "model": engine.model_name,
-        "precision": engine.precision,
-        "device": str(engine.device),
-        "prompt_token_ids": result.prompt_token_ids,
-        "output_token_ids": result.outputs[0].token_ids,
-        "text": result.outputs[0].text,
-        "finish_reason": result.outputs[0].finish_reason,
+    return {
+        "model": stats.model,
+        "precision": stats.precision,
+        "device": stats.device,
+        "text": c.text,
+        "finish_reason": c.finish_reason,
+        "prompt_tokens": len(result.prompt_token_ids),
+        "completion_tokens": n_out,
         "num_cached_tokens": result.num_cached_tokens,
         "timings": {
-            "load_s": round(load_s, 3),
-            "ttft_s": round(m.ttft or 0.0, 4),
+            "total_s": round(total_s, 4),
+            "ttft_s": round(m.ttft, 4) if m.ttft is not None else None,
             "prefill_tokens_per_s": round(len(result.prompt_token_ids) / prefill_s, 1) if prefill_s > 0 else None,
             "decode_tokens_per_s": round((n_out - 1) / decode_s, 1) if n_out > 1 and decode_s > 0 else None,
             "itl_mean_s": round(sum(m.inter_token_latencies) / len(m.inter_token_latencies), 5)
             if m.inter_token_latencies else None,
         },
-        "memory": _memory_report(engine, meter),
-        "plan": plan.to_dict() if hasattr(plan, "to_dict") else None,
-        "engine": _stats_dict(engine.stats()),
     }
-    print(json.dumps(report, indent=2))
-    return 0
 
 
-def _memory_report(engine: Any, meter: Any) -> dict[str, Any]:
-    """Predicted (the plan) against actual: CUDA's allocator peak on GPU, RSS growth on CPU."""
+def _local_report(result: RequestOutput, llm: LLMEngine, meter: MemoryMeter) -> dict[str, Any]:
+    """What only the local engine knows: token ids, the plan, memory against it, its stats."""
     from localllm.hardware.planner import compare_memory
 
-    check = compare_memory(engine.plan, meter.stop())
-    return {**check.to_dict(), "measured_by": "torch.cuda.max_memory_allocated"
-            if engine.device.type == "cuda" else "RSS growth"}
-
-
-def _stats_dict(stats: Any) -> dict[str, Any]:
-    from dataclasses import asdict
-
-    d = asdict(stats)
-    d["kv_usage"] = round(stats.kv_usage, 4)
-    return d
+    check = compare_memory(llm.plan, meter.actual_bytes)
+    measured_by = "torch.cuda.max_memory_allocated" if llm.device.type == "cuda" else "RSS growth"
+    stats = llm.stats()
+    return {
+        "prompt_token_ids": list(result.prompt_token_ids),
+        "output_token_ids": list(result.outputs[0].token_ids),
+        "memory": {**check.to_dict(), "measured_by": measured_by},
+        "plan": llm.plan.to_dict(),
+        "engine": {**asdict(stats), "kv_usage": round(stats.kv_usage, 4)},
+    }
 
 
 def pull(args: argparse.Namespace) -> int:

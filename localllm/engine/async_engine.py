@@ -91,6 +91,10 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
 
+    async def aclose(self) -> None:
+        """Nothing to close per event loop (``RemoteEngine`` has connections there): the engine
+        thread serves every loop until ``shutdown``."""
+
     def shutdown(self) -> None:
         self._stopped.set()
         self._inbox.put(("stop", None))

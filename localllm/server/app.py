@@ -35,7 +35,6 @@ from localllm.engine.async_engine import AsyncEngine
 from localllm.engine.engine import RequestOutput
 from localllm.engine.sequence import SamplingParams
 from localllm.errors import LocalLLMError
-from localllm.server.cli import bind_socket
 from localllm.server.protocol import (
     SEED_MAX,
     SEED_MIN,
@@ -47,6 +46,7 @@ from localllm.server.protocol import (
     parse_chat,
     parse_completion,
 )
+from localllm.server.sockets import bind_socket, socket_url
 
 MAX_BODY_BYTES = 4 * 2**20
 # A client whose body is over the limit is still read up to this much, so that it gets the
@@ -533,11 +533,6 @@ def _completion_stream(
 
 # ---- running it ----
 
-def _url(sock: socket.socket) -> str:
-    host, port = sock.getsockname()[:2]
-    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
-
-
 def _uvicorn(app: ASGIApp) -> uvicorn.Server:
     config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5)
     return uvicorn.Server(config)
@@ -568,12 +563,12 @@ def start_server_thread(app: ASGIApp, host: str = "127.0.0.1", port: int = 0) ->
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("the HTTP server did not start")
         time.sleep(0.01)
-    return RunningServer(_url(sock), server, thread)
+    return RunningServer(socket_url(sock), server, thread)
 
 
 def serve_command(args: argparse.Namespace, sock: socket.socket) -> int:
     """Loads the model and serves on ``sock`` (bound already, see ``localllm.server.cli``)."""
-    from localllm.commands import _progress_printer, engine_config_from_args
+    from localllm.cli_common import engine_config_from_args, progress_printer
     from localllm.engine.engine import LLMEngine
 
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
@@ -582,7 +577,7 @@ def serve_command(args: argparse.Namespace, sock: socket.socket) -> int:
     overrides: dict[str, Any] = {"chats": args.chats}
     if args.max_num_seqs:
         overrides["max_num_seqs"] = args.max_num_seqs
-    llm = LLMEngine(engine_config_from_args(args, **overrides), progress=_progress_printer())
+    llm = LLMEngine(engine_config_from_args(args, **overrides), progress=progress_printer())
     engine = AsyncEngine(llm)
     try:
         server = _uvicorn(create_app(engine, model_name=args.served_model_name, api_key=args.api_key))
@@ -593,7 +588,7 @@ def serve_command(args: argparse.Namespace, sock: socket.socket) -> int:
                     return
                 await asyncio.sleep(0.02)
             auth = ", API key required" if args.api_key else ""
-            print(f"localllm: serving {args.served_model_name or llm.model_name} at {_url(sock)}/v1 "
+            print(f"localllm: serving {args.served_model_name or llm.model_name} at {socket_url(sock)}/v1 "
                   f"(OpenAI-compatible{auth}; Ctrl+C stops)", flush=True)
 
         async def main() -> None:

@@ -3,7 +3,7 @@
 ``RemoteEngine`` streams ``/v1/chat/completions`` (or ``/v1/completions`` for raw text and
 token-id prompts) from vLLM, SGLang, llama-server, Ollama or ``localllm serve``, and yields
 the engine's own ``RequestOutput`` objects, so the TUI, ``run`` and ``bench`` need not know
-which engine they talk to.
+which engine they talk to (``localllm run`` streams through either with one loop).
 
 What a server does not send, it cannot report: token ids are unknown, so ``token_ids`` and
 ``prompt_token_ids`` hold ``-1`` placeholders whose lengths are the server's token counts
@@ -12,17 +12,15 @@ What a server does not send, it cannot report: token ids are unknown, so ``token
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import itertools
 import json
 import ssl
-import sys
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence as Seq
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import httpx
@@ -31,6 +29,9 @@ from localllm.engine.engine import CompletionOutput, EngineStats, Prompt, Reques
 from localllm.engine.outputs import Prefix, RequestMetrics
 from localllm.engine.sequence import SamplingParams
 from localllm.errors import LocalLLMError
+
+if TYPE_CHECKING:
+    from localllm.tokenizer import Tokenizer
 
 UNKNOWN_TOKEN = -1
 _CONNECT_TIMEOUT_S = 10.0
@@ -92,7 +93,7 @@ class RemoteEngine:
     (the first one listed unless ``model`` is given) and fails with a one-line
     ``LocalLLMError`` if the server cannot be reached or refuses the key."""
 
-    tokenizer: Any = None
+    tokenizer: Tokenizer | None = None  # the server tokenizes
 
     def __init__(self, endpoint: str, api_key: str | None = None, model: str | None = None) -> None:
         self.endpoint = normalize_endpoint(endpoint)
@@ -374,60 +375,3 @@ def _describe(e: httpx.HTTPError) -> str:
     if isinstance(e, httpx.TimeoutException):
         return "timed out"
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-
-
-# ---- localllm run --endpoint ----
-
-def run_remote(args: argparse.Namespace) -> int:
-    from localllm.commands import sampling_from_args
-
-    engine = RemoteEngine(args.endpoint, api_key=args.api_key, model=args.model)
-    params = sampling_from_args(args, default_temperature=0.0 if args.raw else 0.7)
-    if args.raw:
-        prompt: Prompt = args.prompt
-    else:
-        system = [{"role": "system", "content": args.system}] if args.system else []
-        prompt = [*system, {"role": "user", "content": args.prompt}]
-
-    async def go() -> RequestOutput:
-        final: RequestOutput | None = None
-        async for out in engine.generate(prompt, params):
-            if not args.json and out.outputs[0].delta_text:
-                sys.stdout.write(out.outputs[0].delta_text)
-                sys.stdout.flush()
-            final = out
-        await engine.aclose()
-        assert final is not None
-        return final
-
-    started = time.monotonic()
-    try:
-        result = asyncio.run(go())
-    finally:
-        engine.shutdown()
-    if not args.json:
-        sys.stdout.write("\n")
-        return 0
-    m = result.metrics
-    c = result.outputs[0]
-    decode_s = (m.last_token_time or 0.0) - (m.first_token_time or 0.0)
-    n_out = len(c.token_ids)
-    report = {
-        "endpoint": engine.endpoint,
-        "model": engine.model,
-        "device": "remote",
-        "text": c.text,
-        "finish_reason": c.finish_reason,
-        "prompt_tokens": len(result.prompt_token_ids),
-        "completion_tokens": n_out,
-        "num_cached_tokens": result.num_cached_tokens,
-        "timings": {
-            "total_s": round(time.monotonic() - started, 4),
-            "ttft_s": round(m.ttft, 4) if m.ttft is not None else None,
-            "decode_tokens_per_s": round((n_out - 1) / decode_s, 1) if n_out > 1 and decode_s > 0 else None,
-            "itl_mean_s": round(sum(m.inter_token_latencies) / len(m.inter_token_latencies), 5)
-            if m.inter_token_latencies else None,
-        },
-    }
-    print(json.dumps(report, indent=2))
-    return 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from localllm.errors import LocalLLMError
+from localllm.cli_common import add_engine_args, add_model_arg, engine_config_from_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -15,12 +15,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="chat in a terminal UI: tabs that generate at the same time",
         description="A Textual chat UI. Tabs stream together through one continuously batched engine.",
     )
-    p.add_argument("--model", "-m", default=None,
-                   help="catalog name, HF repo id, local HF folder or .gguf file (default: config, then the default)")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
-    p.add_argument("--quant", default=None, help="online weight quantization: int8, fp8, awq, rtn4 (default: the plan's)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: the best available)")
-    p.add_argument("--max-model-len", type=int, default=None, help="context limit per sequence")
+    add_model_arg(p, help="catalog name, HF repo id, local HF folder or .gguf file (default: config, then the default)")
+    add_engine_args(p)
     p.add_argument("--chats", type=int, default=4, help="chats to plan the KV cache for (default 4)")
     p.add_argument("--endpoint", default=None, help="an OpenAI-compatible server URL instead of the local engine")
     p.add_argument("--api-key", default=None, help="bearer token for --endpoint")
@@ -43,22 +39,18 @@ def run(args: argparse.Namespace) -> int:
 def _local_factory(args: argparse.Namespace) -> Any:
     def build(model: str | None, progress: Any) -> Any:
         from localllm.engine.async_engine import AsyncEngine
-        from localllm.engine.engine import EngineConfig, LLMEngine
+        from localllm.engine.engine import LLMEngine
 
-        config = EngineConfig(model=model, dtype=args.dtype, quant=args.quant, device=args.device,
-                              max_model_len=args.max_model_len, chats=max(1, args.chats))
+        config = engine_config_from_args(args, model=model, chats=max(1, args.chats))
         return AsyncEngine(LLMEngine(config, progress=progress))
 
     return build
 
 
 def _remote_factory(args: argparse.Namespace) -> Any:
-    try:
-        from localllm.server.remote import RemoteEngine
-    except ImportError as e:
-        raise LocalLLMError(f"--endpoint needs localllm.server.remote, which this install lacks ({e})") from None
-
     def build(model: str | None, progress: Any) -> Any:
+        from localllm.server.remote import RemoteEngine
+
         if progress is not None:
             progress(f"connecting to {args.endpoint}", 0, 0)
         return RemoteEngine(args.endpoint, api_key=args.api_key, model=model)

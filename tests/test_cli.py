@@ -135,7 +135,7 @@ def test_pull_falls_back_to_pypi_then_is_a_no_op(tmp_path: Path) -> None:
 
 
 def test_predicted_memory_matches_measured_on_cpu() -> None:
-    """Issue 4: the plan's prediction and the measured RSS growth agree within 10%."""
+    """The plan's prediction and the measured RSS growth agree within 10%."""
     proc = cli("run", "--json", "--temperature", "0", "--max-tokens", "8", "Hi")
     assert proc.returncode == 0, proc.stderr
     memory = json.loads(proc.stdout)["memory"]

@@ -6,7 +6,7 @@ dtype and pool size, the batch limits and whether to capture CUDA graphs. Every 
 carries a one-line reason. When nothing fits it raises :class:`DoesNotFit`, whose message
 names the nearest plan that would (a shorter context, fewer chats, a smaller model).
 
-The ladder, per the issue: bf16 while it leaves room for the wanted KV; FP8 next on GPUs
+The ladder: bf16 while it leaves room for the wanted KV; FP8 next on GPUs
 with FP8 tensor cores (sm89+), INT8 weight-only on older ones; AWQ 4-bit last. Hopper and
 datacenter Blackwell take the full path: FP8 first, CUDA graphs, the largest batch.
 """
@@ -38,9 +38,11 @@ DEFAULT_CONTEXT = 8192  # planned for when no context is given (the probe's "cha
 CPU_RAM_FRACTION = 0.75  # of *available* RAM: the OS, the TUI and the browser need the rest
 CUDA_CONTEXT_BYTES = 512 * MiB  # driver + kernels; outside torch's allocator
 CUDA_GRAPH_BYTES = 256 * MiB  # the captured decode graphs' private pool
-CPU_RUNTIME_BYTES = 32 * MiB  # oneDNN scratch, thread pools, allocator slack (calibrated on a synthetic forward)
+# oneDNN scratch, thread pools, allocator slack, the tokenizer: measured on the real engine after its
+# largest step (tests/hardware/test_hw_memory.py; fp32 and bf16 grew 80-84 MB past the rest of the plan)
+CPU_RUNTIME_BYTES = 112 * MiB
 MIN_SUGGESTED_CONTEXT = 512
-MEMORY_TOLERANCE = 0.10  # predicted vs measured, as the issue requires
+MEMORY_TOLERANCE = 0.10  # predicted against measured
 
 _LABELS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 

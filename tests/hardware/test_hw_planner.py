@@ -1,4 +1,4 @@
-"""Planner decisions on the issue's GPUs and on a machine without one."""
+"""Planner decisions on consumer and datacenter GPUs, and on a machine without one."""
 
 from __future__ import annotations
 

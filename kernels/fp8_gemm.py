@@ -46,13 +46,6 @@ def quantize_per_token_fp8_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.
     return quantize_per_token_triton(x, torch.float8_e4m3fn)
 
 
-def quantize_per_token_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (xq e4m3 [M, K], x_scale fp32 [M, 1]); see ``quantize_per_token_fp8_ref``."""
-    if use_triton(x):
-        return quantize_per_token_fp8_triton(x)
-    return quantize_per_token_fp8_ref(x.reshape(-1, x.shape[-1]))
-
-
 def fp8_w8a8_gemm_triton(
     x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, *, config: Config | None = None
 ) -> torch.Tensor:

@@ -54,7 +54,8 @@ def fmt_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
-def precision_label(weight_dtype: str, quant: str | None) -> str:
+def precision_label(weight_dtype: str, quant: str | None = None) -> str:
+    """``fp32``/``bf16``/``fp16`` for a dtype name, or the quantization's label."""
     if quant == "awq":
         return "awq-int4"
     if quant:
@@ -199,6 +200,7 @@ class _Fit:
     workspace: int
     runtime: int
     context: int
+    kv_dtype: str
     kvpt: int
     capacity: int  # KV tokens the budget leaves room for, whole blocks only
 
@@ -346,7 +348,7 @@ def _fit(model: ModelDims, t: _Target, rung: _Rung, graphs: bool, batched_tokens
     kvpt = kv_bytes_per_token(model, kv_dtype)
     free = t.budget - (weights + workspace + runtime + context)
     capacity = max(0, free) // kvpt // block_size * block_size
-    return _Fit(rung, graphs, batched_tokens, weights, workspace, runtime, context, kvpt, capacity)
+    return _Fit(rung, graphs, batched_tokens, weights, workspace, runtime, context, kv_dtype, kvpt, capacity)
 
 
 def plan(
@@ -406,7 +408,7 @@ def plan(
         for f in tried
     )
     precision_reason = chosen.rung.why + (f" ({skipped})" if skipped else "")
-    kv_dtype = "float32" if t.device == "cpu" else chosen.rung.weight_dtype
+    kv_dtype = chosen.kv_dtype
     reasons = [t.device_reason, t.budget_reason, precision_reason]
     reasons.append("KV cache fp32: the CPU attention runs in fp32" if t.device == "cpu"
                    else f"KV cache {_LABELS[kv_dtype]}, the activation dtype")

@@ -12,6 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from localllm.errors import LocalLLMError
+from localllm.quant.groups import GROUP_SIZES, pick_group_size
+
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 QUANTS: tuple[str, ...] = ("fp8", "int8", "awq")
 
@@ -65,13 +68,20 @@ def _matrices(m: ModelDims) -> list[tuple[int, int]]:
     return [(h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)]
 
 
+def linear_input_dims(m: ModelDims) -> dict[str, int]:
+    """The input width of each kind of decoder matmul, named as the quantizer's errors name them."""
+    return {"qkv_proj/gate_up_proj": m.hidden_size, "o_proj": m.num_heads * m.head_dim,
+            "down_proj": m.intermediate_size}
+
+
 def awq_group_size(m: ModelDims) -> int:
-    """128 where every input width allows it; SmolLM2's 576 needs 64 (576 = 4.5 x 128)."""
-    widths = {inp for inp, _ in _matrices(m)}
-    for g in (128, 64, 32):
-        if all(w % g == 0 for w in widths):
-            return g
-    return 32
+    """The quantizer's choice: 128 where every input width allows it; SmolLM2's 576 needs 64
+    (576 = 4.5 x 128). Where none fits, the smallest, for sizing only: quantizing such a model
+    to int4 fails with the quantizer's message."""
+    try:
+        return pick_group_size(linear_input_dims(m), None)
+    except LocalLLMError:
+        return GROUP_SIZES[-1]
 
 
 def param_counts(m: ModelDims) -> ParamCounts:

@@ -19,12 +19,13 @@ from torch import nn
 from localllm.errors import LocalLLMError
 from localllm.kernels import paged_attention, rms_norm, rotary_and_store_kv, silu_and_mul
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
+# HF architecture -> the model_type its config.json carries
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
 
 
 @dataclass(slots=True)
@@ -81,13 +82,6 @@ class ModelConfig:
             )
         except KeyError as e:
             raise LocalLLMError(f"{source}: missing field {e.args[0]!r}; is this a causal LM config?") from e
-
-    @property
-    def num_params(self) -> int:
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
-        return self.num_layers * per_layer + v * h * (1 if self.tie_word_embeddings else 2) + h
 
 
 def rope_cos_sin(cfg: ModelConfig, max_positions: int) -> torch.Tensor:

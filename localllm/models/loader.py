@@ -10,14 +10,17 @@ import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from localllm.errors import LocalLLMError
-from localllm.models.llama import LlamaForCausalLM, ModelConfig
+from localllm.models.llama import SUPPORTED_ARCHITECTURES, LlamaForCausalLM, ModelConfig
 from localllm.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from localllm.hardware.planner import Plan
 
 WeightIter = Iterator[tuple[str, torch.Tensor]]
 
@@ -358,7 +361,7 @@ class LoadedModel:
     path: Path
     model: LlamaForCausalLM
     tokenizer: Tokenizer
-    plan: Any
+    plan: Plan
     precision: str  # what the status bar shows: float32, bfloat16, fp8, int8, awq
     device: torch.device
     kv_dtype: torch.dtype
@@ -467,8 +470,7 @@ def save_hf_folder(
     cfg = ckpt.config
     hf = {
         "architectures": [cfg.architecture],
-        "model_type": {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                       "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}[cfg.architecture],
+        "model_type": SUPPORTED_ARCHITECTURES[cfg.architecture],
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,

@@ -24,10 +24,7 @@ from localllm.errors import LocalLLMError
 from localllm.kernels.awq_gemm import awq_dequantize, awq_gemm, awq_gemm_ref, awq_pack, awq_unpack
 from localllm.quant.linear import QuantLinear, cpu_backend
 
-__all__ = ["AWQLinear", "awq_pack", "awq_unpack", "fake_quant_int4", "pick_group_size", "quantize_int4"]
-
-GROUP_SIZES = (128, 64, 32)
-
+__all__ = ["AWQLinear", "awq_pack", "awq_unpack", "fake_quant_int4", "quantize_int4"]
 
 def _int4_grid(wg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``wg [out, groups, G]`` float32 -> (float codes 0..15, scales, zeros), the last two
@@ -56,25 +53,6 @@ def fake_quant_int4(w: torch.Tensor, group_size: int) -> torch.Tensor:
     out_f, in_f = w.shape
     codes, scales, zeros = _int4_grid(w.float().reshape(out_f, in_f // group_size, group_size))
     return codes.sub_(zeros).mul_(scales).reshape(out_f, in_f)
-
-
-def pick_group_size(in_dims: dict[str, int], requested: int | None) -> int:
-    """The largest of 128/64/32 dividing every input dim, or ``requested`` when it divides them."""
-    if requested is not None:
-        if requested <= 0 or requested % 8:
-            raise LocalLLMError(f"--group-size {requested}: use a positive multiple of 8 (128, 64 or 32)")
-        bad = next(((n, d) for n, d in in_dims.items() if d % requested), None)
-        if bad is not None:
-            ok = [g for g in GROUP_SIZES if all(d % g == 0 for d in in_dims.values())]
-            hint = f"use {ok[0]}" if ok else "no standard group size fits"
-            raise LocalLLMError(
-                f"--group-size {requested} does not divide the input dim {bad[1]} of {bad[0]}; {hint}"
-            )
-        return requested
-    for g in GROUP_SIZES:
-        if all(d % g == 0 for d in in_dims.values()):
-            return g
-    raise LocalLLMError(f"no int4 group size in {GROUP_SIZES} divides the input dims {sorted(set(in_dims.values()))}")
 
 
 class AWQLinear(QuantLinear):
@@ -163,18 +141,14 @@ class AWQLinear(QuantLinear):
     def dequantize(self) -> torch.Tensor:
         return awq_dequantize(self.qweight, self.qzeros, self.scales, self.group_size, torch.float32).t()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self._cpu_packed is not None and x.device.type == "cpu":
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x2.to(torch.bfloat16), self._cpu_packed, self.group_size, self._cpu_scale_zeros
-            ).to(x.dtype)
-        elif x.device.type == "cpu":
-            y = awq_gemm_ref(x2, self.qweight, self.qzeros, self.scales, self.group_size)
-        else:
-            y = awq_gemm(x2, self.qweight, self.qzeros, self.scales, self.group_size)
-        return self._add_bias(y).reshape(*shape[:-1], self.out_features)
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x.to(torch.bfloat16), self._cpu_packed, self.group_size, self._cpu_scale_zeros
+            )
+        if x.device.type == "cpu":
+            return awq_gemm_ref(x, self.qweight, self.qzeros, self.scales, self.group_size)
+        return awq_gemm(x, self.qweight, self.qzeros, self.scales, self.group_size)
 
     def shard_state(self, rows: slice) -> dict[str, torch.Tensor]:
         cols = slice(rows.start // 8, rows.stop // 8)

@@ -61,6 +61,7 @@ def run_quantize(args: argparse.Namespace) -> int:
 
     from localllm import store
     from localllm.errors import LocalLLMError
+    from localllm.hardware.sizing import count_params
     from localllm.models.loader import build_model, open_checkpoint
     from localllm.quant.checkpoint import save_quantized
     from localllm.quant.eval import DEFAULT_CALIB, calibration_samples
@@ -99,7 +100,7 @@ def run_quantize(args: argparse.Namespace) -> int:
         say(f"calibrating on {calib_file} ({sum(len(c) for c in calib)} tokens)")
         # AWQ needs the whole float model: float32 where it fits in half the RAM (the searches
         # then see the checkpoint's values unrounded), else bfloat16
-        fp32_fits = ckpt.config.num_params * 4 < psutil.virtual_memory().available // 2
+        fp32_fits = count_params(ckpt.config) * 4 < psutil.virtual_memory().available // 2
         dtype = torch.float32 if dev.type == "cpu" and fp32_fits else torch.bfloat16
         model = build_model(ckpt, dtype, dev, 2048, progress("loading: tensor"))
         stages = iter(["awq search: layer", "quantizing: linear"])
@@ -119,7 +120,7 @@ def run_quantize(args: argparse.Namespace) -> int:
                             quantize=lambda m: prepare_online(m, method, group))
     save_quantized(model, ckpt, out, method, group)
     size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
-    say(f"{method}{f' (group {group})' if group else ''}: {ckpt.config.num_params / 1e6:.0f}M parameters, "
+    say(f"{method}{f' (group {group})' if group else ''}: {count_params(ckpt.config) / 1e6:.0f}M parameters, "
         f"{weight_bytes(model) / 2**20:.1f} MiB of weights in memory, {size / 2**20:.1f} MiB on disk, "
         f"{time.perf_counter() - t0:.0f} s")
     print(out)

@@ -40,13 +40,9 @@ class FP8Linear(ChannelScaledLinear):
 
     method = "fp8"
     storage_dtype = FP8_DTYPE
+    quantize = staticmethod(quantize_fp8_per_channel)
     # A checkpoint without input_activations is FP8 W8A16: keep activations float everywhere.
     weight_only = False
-
-    def set_weight(self, weight: torch.Tensor) -> None:
-        q, s = quantize_fp8_per_channel(weight.to(self.weight.device))
-        self.weight.copy_(q)
-        self.weight_scale.copy_(s)
 
     def _upcast(self, dtype: torch.dtype) -> torch.Tensor:
         if self.weight.device.type != "cpu":
@@ -55,11 +51,8 @@ class FP8Linear(ChannelScaledLinear):
         codes = self.weight.view(torch.uint8).reshape(-1).int()
         return _fp8_table(dtype).index_select(0, codes).view(self.out_features, self.in_features)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu" or self.weight_only:
-            y = self._dequant_matmul(x2)
-        else:  # the kernel quantizes activations per token; below sm89 it runs its reference
-            y = fp8_w8a8_gemm(x2, self.weight, self.weight_scale)
-        return self._add_bias(y.to(x.dtype)).reshape(*shape[:-1], self.out_features)
+            return self._dequant_matmul(x)
+        # the kernel quantizes activations per token; below sm89 it runs its reference
+        return fp8_w8a8_gemm(x, self.weight, self.weight_scale)

@@ -35,32 +35,24 @@ class Int8Linear(ChannelScaledLinear):
 
     method = "int8"
     storage_dtype = torch.int8
+    quantize = staticmethod(quantize_int8_per_channel)
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self._cpu_scale: torch.Tensor | None = None
 
-    def set_weight(self, weight: torch.Tensor) -> None:
-        q, s = quantize_int8_per_channel(weight.to(self.weight.device))
-        self.weight.copy_(q)
-        self.weight_scale.copy_(s)
-
     def _finish_loading(self) -> None:
         if self.weight.device.type == "cpu" and cpu_backend("int8") != "dequant":
             self._cpu_scale = self.weight_scale.to(torch.bfloat16)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":
-            y = int8_w8a16_gemm(x2, self.weight, self.weight_scale)
-        elif self._cpu_scale is not None and x2.shape[0] <= PACKED_MAX_ROWS:
-            y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), self.weight, self._cpu_scale)
-        elif self._cpu_scale is not None:  # prefill: oneDNN's bf16 GEMM beats the packed kernel
-            y = self._dequant_matmul(x2, torch.bfloat16)
-        else:
-            y = self._dequant_matmul(x2, torch.float32)
-        return self._add_bias(y.to(x.dtype)).reshape(*shape[:-1], self.out_features)
+            return int8_w8a16_gemm(x, self.weight, self.weight_scale)
+        if self._cpu_scale is not None and x.shape[0] <= PACKED_MAX_ROWS:
+            return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self._cpu_scale)
+        if self._cpu_scale is not None:  # prefill: oneDNN's bf16 GEMM beats the packed kernel
+            return self._dequant_matmul(x, torch.bfloat16)
+        return self._dequant_matmul(x, torch.float32)
 
 
 class Int8W8A8Linear(Int8Linear):
@@ -74,17 +66,14 @@ class Int8W8A8Linear(Int8Linear):
     def _finish_loading(self) -> None:
         pass  # no derived layout: _int_mm reads the int8 weight as is
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
-        if self.has_input_scale:  # a checkpoint's static per-tensor activation scale
-            xs = self.input_scale.reshape(1, 1)
-            xq = torch.round(x2.float() / xs).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
-            if x.device.type == "cpu":
-                acc = torch._int_mm(xq, self.weight.t()).float()
-            else:  # cuBLAS int8 wants M > 16; integers below 2^24 are exact in fp32 anyway
-                acc = xq.float() @ self.weight.float().t()
-            y = acc * xs * self.weight_scale
-        else:
-            y = int8_w8a8_gemm(x2, self.weight, self.weight_scale)
-        return self._add_bias(y.to(x.dtype)).reshape(*shape[:-1], self.out_features)
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.has_input_scale:
+            return int8_w8a8_gemm(x, self.weight, self.weight_scale)
+        # a checkpoint's static per-tensor activation scale
+        xs = self.input_scale.reshape(1, 1)
+        xq = torch.round(x.float() / xs).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+        if x.device.type == "cpu":
+            acc = torch._int_mm(xq, self.weight.t()).float()
+        else:  # cuBLAS int8 wants M > 16; integers below 2^24 are exact in fp32 anyway
+            acc = xq.float() @ self.weight.float().t()
+        return acc * xs * self.weight_scale

@@ -87,6 +87,11 @@ class QuantLinear(nn.Module):
         """The effective float32 weight ``[out, in]``: what every fast path must compute with."""
         raise NotImplementedError
 
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [M, in] @ dequantize().T`` on this format's fastest path for ``x``'s device (any
+        float dtype out; ``forward`` casts back and adds the bias)."""
+        raise NotImplementedError
+
     def shard_state(self, rows: slice) -> dict[str, torch.Tensor]:
         """Checkpoint tensors (this format's names) for output rows ``rows``, on the CPU."""
         raise NotImplementedError
@@ -164,13 +169,13 @@ class QuantLinear(nn.Module):
                 state["bias"] = self.bias.detach()[rows].cpu().contiguous()
             yield shard, state
 
-    def quantized_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers()) + (
-            self.bias.numel() * self.bias.element_size() if self.bias is not None else 0
-        )
+    # ---- compute ----
 
-    def _add_bias(self, y: torch.Tensor) -> torch.Tensor:
-        return y if self.bias is None else y + self.bias.to(y.dtype)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._matmul(x.reshape(-1, self.in_features)).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.output_sizes}, method={self.method}, online={self.online}"
@@ -243,6 +248,16 @@ class ChannelScaledLinear(QuantLinear):
                 value = torch.maximum(value, self.input_scale.cpu())
             self.input_scale.copy_(value)
             self.has_input_scale = True
+
+    @staticmethod
+    def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``w [out, in]`` -> codes in ``storage_dtype`` and float32 scales ``[out]``."""
+        raise NotImplementedError
+
+    def set_weight(self, weight: torch.Tensor) -> None:
+        q, s = self.quantize(weight.to(self.weight.device))
+        self.weight.copy_(q)
+        self.weight_scale.copy_(s)
 
     def dequantize(self) -> torch.Tensor:
         return self.weight.float() * self.weight_scale[:, None]

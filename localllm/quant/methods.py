@@ -12,8 +12,10 @@ from torch import nn
 
 from localllm.errors import LocalLLMError
 from localllm.models.llama import ModelConfig
-from localllm.quant.awq import AWQLinear, pick_group_size
+from localllm.hardware.sizing import linear_input_dims
+from localllm.quant.awq import AWQLinear
 from localllm.quant.fp8 import FP8Linear
+from localllm.quant.groups import pick_group_size
 from localllm.quant.int8 import Int8Linear, Int8W8A8Linear
 from localllm.quant.linear import QuantLinear, fused_sizes, iter_linears, replace_module
 from localllm.quant import _API
@@ -58,19 +60,18 @@ def make_quant_linear(
     group_size: int | None = None,
     online: bool = False,
 ) -> QuantLinear:
+    """One quantized linear; int4 methods need the model's ``group_size`` (``int4_group_size``)."""
     cls = _CLASSES[check_method(method)]
     if cls is AWQLinear:
         if group_size is None:
-            group_size = pick_group_size({"linear": in_features}, None)
+            raise ValueError(f"{method} linears need the model's group size (int4_group_size)")
         return AWQLinear(in_features, out_features, group_size, output_sizes, bias, online)
     return cls(in_features, out_features, output_sizes, bias, online)
 
 
 def config_group_size(cfg: ModelConfig, requested: int | None) -> int:
     """``int4_group_size`` from the config alone, to reject a bad --group-size before loading."""
-    dims = {"qkv_proj/gate_up_proj": cfg.hidden_size, "o_proj": cfg.num_heads * cfg.head_dim,
-            "down_proj": cfg.intermediate_size}
-    return pick_group_size(dims, requested)
+    return pick_group_size(linear_input_dims(cfg), requested)
 
 
 def int4_group_size(model: nn.Module, requested: int | None) -> int:

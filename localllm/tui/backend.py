@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from localllm.hardware.planner import fmt_bytes, precision_label  # noqa: F401 - precision_label: the TUI imports it from here
 from localllm.paths import config_path
 
 if sys.version_info >= (3, 11):
@@ -174,7 +175,7 @@ def probe_report(chats: int = 4) -> ProbeReport:
     from localllm import store
     from localllm.catalog import load_catalog
     from localllm.errors import LocalLLMError
-    from localllm.hardware.planner import DoesNotFit, fmt_bytes, plan, probe_hardware
+    from localllm.hardware.planner import DoesNotFit, plan, probe_hardware
 
     hw = probe_hardware()
     cpu = hw.cpu
@@ -245,13 +246,6 @@ def code_blocks(markdown: str) -> list[str]:
     return blocks
 
 
-def fmt_bytes(n: float) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
-
-
 _process: Any = None
 
 
@@ -270,13 +264,6 @@ def memory_label(device: str) -> str:
         return f"RAM {fmt_bytes(_process.memory_info().rss)}"
     except Exception:  # noqa: BLE001 - a status figure is never worth a crash
         return "RAM ?"
-
-
-PRECISION_LABELS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-
-
-def precision_label(precision: str) -> str:
-    return PRECISION_LABELS.get(precision, precision)
 
 
 def title_from(text: str, width: int = 24) -> str:

@@ -9,9 +9,9 @@ from localllm.quant.awq import (
     awq_pack,
     awq_unpack,
     fake_quant_int4,
-    pick_group_size,
     quantize_int4,
 )
+from localllm.quant.groups import pick_group_size
 
 
 def test_pack_matches_hand_computed_autoawq_word() -> None:

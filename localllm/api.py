@@ -19,7 +19,7 @@ from localllm.engine.engine import (
     RequestOutput,
 )
 from localllm.engine.sequence import SamplingParams
-from localllm.tokenizer import Message
+from localllm.tokenizer import Message, Tokenizer
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
@@ -40,7 +40,7 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options), progress)
 
     @property
-    def tokenizer(self):  # noqa: ANN201 - localllm.tokenizer.Tokenizer
+    def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
     def generate(

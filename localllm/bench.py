@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     import httpx
 
     from localllm.engine.async_engine import AsyncEngine
-    from localllm.engine.engine import LLMEngine
+    from localllm.engine.engine import LLMEngine, Prompt
     from localllm.server.remote import RemoteEngine
 
 WORKLOADS = ("chats", "rag", "multiturn")
@@ -96,7 +96,7 @@ class BenchOptions:
 
 @dataclass(slots=True)
 class BenchRequest:
-    prompt: Any  # chat messages, text, or token ids
+    prompt: Prompt  # chat messages, text, or token ids
     max_tokens: int
 
 

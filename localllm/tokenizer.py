@@ -13,7 +13,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from jinja2 import TemplateError
+from jinja2 import Template, TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
@@ -76,7 +76,7 @@ class Tokenizer:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     add_bos: bool
-    _template: Any = field(default=None, repr=False, init=False)
+    _template: Template | None = field(default=None, repr=False, init=False)
 
     @property
     def vocab_size(self) -> int:

@@ -21,7 +21,7 @@ JSON_SCHEMA_VERSION = 1
 TABLE_CONTEXT = 8192  # the "chats at 8K" column
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "probe",
         help="show the hardware and the precision, context and speed bound of each catalog model",

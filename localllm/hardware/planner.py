@@ -209,7 +209,7 @@ class _Fit:
         return self.weights + self.workspace + self.runtime + self.context
 
 
-def _model_name(model: Any) -> str:
+def _model_name(model: ModelDims) -> str:
     for attr in ("id", "name", "model_id"):
         value = getattr(model, attr, None)
         if isinstance(value, str) and value:
@@ -217,7 +217,7 @@ def _model_name(model: Any) -> str:
     return "the model"
 
 
-def _model_max_context(model: Any) -> int | None:
+def _model_max_context(model: ModelDims) -> int | None:
     for attr in ("max_context", "max_position_embeddings", "max_model_len"):
         value = getattr(model, attr, None)
         if isinstance(value, int) and value > 0:

@@ -13,7 +13,7 @@ modules load them as shards.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +60,7 @@ def plan_checkpoint_modules(model: nn.Module, qcfg: dict[str, Any]) -> Iterator[
         )
 
 
-def _new_module(lin: nn.Linear, make: Any) -> QuantLinear:
+def _new_module(lin: nn.Linear, make: Callable[[int, int, list[int] | None, bool], QuantLinear]) -> QuantLinear:
     with torch.device(lin.weight.device):
         return make(lin.in_features, lin.out_features, fused_sizes(lin), lin.bias is not None)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from typing import Any
 
 _METHODS = ("awq", "rtn4", "int8", "int8-w8a8", "fp8")
 
@@ -20,7 +19,7 @@ def _positive(value: str) -> int:
     return n
 
 
-def register(sub: Any) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("quantize", help="quantize a model and write it as a checkpoint (AWQ, INT8, FP8)")
     p.add_argument("model", nargs="?", default=None,
                    help="catalog name, HF repo id, local HF folder or .gguf file (default: the embedded default)")

@@ -10,6 +10,7 @@ disagreement is exactly where a free-running greedy generation would part ways (
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import sys
@@ -265,7 +266,7 @@ def format_table(report: EvalReport) -> str:
     return "\n".join(lines)
 
 
-def run(args: Any) -> int:
+def run(args: argparse.Namespace) -> int:
     modes = [m for m in args.quant.split(",") if m.strip()]
     report = evaluate(
         args.model, Path(args.text), modes, calib_path=Path(args.calib) if args.calib else None,

@@ -9,7 +9,7 @@ from typing import Any
 from localllm.cli_common import add_engine_args, add_model_arg, engine_config_from_args
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "chat",
         help="chat in a terminal UI: tabs that generate at the same time",

@@ -74,15 +74,13 @@ class _State:
 
 def _make_state(engine: AsyncEngine, model_name: str | None) -> _State:
     llm = engine.engine
-    bm = llm.block_manager
     tokenizer = engine.tokenizer
 
     @lru_cache(maxsize=65536)
     def token_text(token_id: int) -> str:
         return tokenizer.decode([token_id], skip_special_tokens=False)
 
-    return _State(engine, model_name or llm.model_name, min(llm.max_model_len, bm.num_blocks * bm.block_size),
-                  int(time.time()), token_text)
+    return _State(engine, model_name or llm.model_name, llm.context_limit, int(time.time()), token_text)
 
 
 def _fan_in(engine: AsyncEngine, jobs: list[Job]) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -8,6 +8,7 @@ the server. It never blocks on a consumer.
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
     use_cuda_graphs: bool = True
+    compile: bool = True  # CPU decode through torch.compile; False (or LOCALLLM_NO_COMPILE=1) keeps eager
 
 
 @dataclass(slots=True)
@@ -112,6 +114,7 @@ class LLMEngine:
             loaded.model, loaded.num_kv_blocks, config.block_size, loaded.kv_dtype, loaded.max_model_len,
             use_cuda_graphs=config.use_cuda_graphs and loaded.use_cuda_graphs,
             max_graph_batch=config.max_num_seqs or self.plan.max_num_seqs,
+            compile_cpu=config.compile and os.environ.get("LOCALLLM_NO_COMPILE", "0") in ("", "0"),
         )
         self.scheduler = Scheduler(
             self.block_manager,

@@ -358,9 +358,12 @@ def plan(
     gpu_memory_utilization: float = 0.9,
     block_size: int = 16,
     suggest_models: bool = True,
+    cpu_gguf: str | None = None,
 ) -> Plan:
     """The plan for ``model`` on ``hw``. Raises LocalLLMError for bad input, DoesNotFit when
-    nothing fits (with the nearest plan that would)."""
+    nothing fits (with the nearest plan that would). ``cpu_gguf``: the checkpoint is a GGUF
+    file whose blocks the CPU kernels run as they are, and the measured reason they win; a
+    CPU plan then starts from "gguf"."""
     if dtype == "auto":
         dtype = None
     _validate(context, chats, quant, dtype, gpu_memory_utilization, block_size)
@@ -373,6 +376,8 @@ def plan(
     need = wanted * chats
     t = _target(hw, gpu_memory_utilization)
     ladder = _ladder(t, hw, quant, dtype)
+    if t.device == "cpu" and cpu_gguf and (quant in (None, "gguf")) and dtype is None:
+        ladder = [_Rung("float32", "gguf", cpu_gguf)] + ([] if quant else ladder)
 
     # Before a precision is given up, the cheaper knobs go first: a smaller prefill chunk
     # (its workspace), then the CUDA graph pool.

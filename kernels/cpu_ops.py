@@ -110,7 +110,7 @@ def _register_fakes() -> None:
     def _(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, max_q):  # type: ignore[no-untyped-def]
         return torch.empty_like(q)
 
-    if has_gguf_kernels():
+    if hasattr(torch.ops.localllm_cpu, "gguf_linear"):  # built on x86-64-v3 only
 
         @torch.library.register_fake("localllm_cpu::gguf_linear")
         def _(x, codes, d, c, type, levels):  # type: ignore[no-untyped-def]

@@ -115,6 +115,7 @@ class LLMEngine:
             use_cuda_graphs=config.use_cuda_graphs and loaded.use_cuda_graphs,
             max_graph_batch=config.max_num_seqs or self.plan.max_num_seqs,
             compile_cpu=config.compile and os.environ.get("LOCALLLM_NO_COMPILE", "0") in ("", "0"),
+            progress=progress,
         )
         self.scheduler = Scheduler(
             self.block_manager,

@@ -12,6 +12,7 @@ steps run eager: their matmuls dwarf the dispatch.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -52,6 +53,7 @@ class ModelRunner:
         max_graph_batch: int = 256,
         compile_cpu: bool = False,
         decode_buckets: list[int] | None = None,
+        progress: Callable[[str, int, int], None] | None = None,
     ) -> None:
         """``compile_cpu``: decode through torch.compile on a CPU device. ``decode_buckets``
         forces the static-buffer decode path with these batch buckets and no capture or
@@ -86,9 +88,7 @@ class ModelRunner:
             # every batch size is its own bucket: CPU steps cost by rows, so padding would be
             # waste, and Inductor's dynamic shapes serve all sizes from two graphs (1 and >1)
             self._init_static_buffers(list(range(1, max_graph_batch + 1)))
-            self._compiled = torch.compile(_decode_logits, dynamic=None)
-            self._decode_call = self._run_bucket_compiled
-            self._decode_gives_logits = True
+            self._compile_decode(progress)
 
     @property
     def kv_bytes(self) -> int:
@@ -182,6 +182,26 @@ class ModelRunner:
             self.model, self._g_input_ids[:b], self._g_positions[:b], self._g_slots[:b], self._g_qsl[: b + 1],
             self._g_seq_lens[:b], self._g_tables[:b],
         )  # fmt: skip
+
+    def _compile_decode(self, progress: Callable[[str, int, int], None] | None) -> None:
+        """Compiles the decode step now, for batch 1 and for any larger batch (one dynamic
+        graph), so no request pays it. Inductor's cache on disk makes later starts take
+        seconds; the first start on a machine takes ~1 minute and says so."""
+        from localllm.kernels.cpu_ops import compiled_cache_dir
+
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compiled_cache_dir() / "inductor"))
+        self._compiled = torch.compile(_decode_logits, dynamic=None)
+        self._decode_call = self._run_bucket_compiled
+        self._decode_gives_logits = True
+        sizes = [b for b in (1, 2) if b <= self.buckets[-1]]
+        stage = "optimizing for this CPU (first run only)"
+        for i, b in enumerate(sizes):
+            if progress is not None:
+                progress(stage, i, len(sizes))
+            with torch.inference_mode():
+                self._run_bucket_compiled(b)  # padding rows only: slot -1 writes nothing
+        if progress is not None:
+            progress(stage, len(sizes), len(sizes))
 
     def _capture_graphs(self, max_batch: int) -> None:
         """Captures one graph per batch bucket over the static input buffers."""

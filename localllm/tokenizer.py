@@ -63,7 +63,7 @@ def _gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     if pre in ("qwen2", "deepseek-r1-qwen"):
         split = pre_tokenizers.Split(Regex(_QWEN2_REGEX), behavior="isolated")
         return pre_tokenizers.Sequence([split, byte_level])
-    if pre in ("gpt2", "default", ""):
+    if pre in ("gpt2", "gpt-2", "default", ""):
         return pre_tokenizers.ByteLevel(add_prefix_space=False)
     raise LocalLLMError(f"GGUF pre-tokenizer {pre!r} is not supported (smollm, gpt2, llama-bpe, qwen2)")
 
@@ -72,8 +72,13 @@ def _gguf_bpe(tokens: list[str], fields: dict[str, Any]) -> HFTokenizer:
     """Byte-level BPE from the GGUF's merges (``tokenizer.ggml.model = "gpt2"``)."""
     merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
     vocab = {t: i for i, t in enumerate(tokens)}
-    backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    backend.pre_tokenizer = _gguf_pre_tokenizer(fields.get("tokenizer.ggml.pre", "gpt2"))
+    pre = fields.get("tokenizer.ggml.pre", "gpt2")
+    # Llama 3's tokenizer emits a pre-token that is itself in the vocabulary without merging
+    # (HF's ignore_merges, llama.cpp's too): some such tokens no merge sequence reaches.
+    ignore_merges = pre in ("llama-bpe", "llama3")
+    backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
+                                     ignore_merges=ignore_merges))
+    backend.pre_tokenizer = _gguf_pre_tokenizer(pre)
     backend.decoder = decoders.ByteLevel()
     return backend
 

@@ -76,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
     if args.raw:
         prompt: Any = args.prompt
     else:
+        if engine.tokenizer.template_note:
+            print(f"localllm: note: {engine.tokenizer.template_note}", file=sys.stderr)
         messages = [{"role": "system", "content": args.system}] if args.system else []
         prompt = [*messages, {"role": "user", "content": args.prompt}]
     stream = not args.json

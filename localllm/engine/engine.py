@@ -139,7 +139,7 @@ class LLMEngine:
             return prompt, self.tokenizer.encode(prompt)
         if prompt and isinstance(prompt[0], dict):
             text = self.tokenizer.apply_chat_template(prompt)  # type: ignore[arg-type]
-            return text, self.tokenizer.backend.encode(text, add_special_tokens=False).ids
+            return text, self.tokenizer.encode_rendered(text)
         ids = list(prompt)  # type: ignore[arg-type]
         if not all(isinstance(t, int) and 0 <= t < self.runner.model.config.vocab_size for t in ids):
             raise LocalLLMError("prompt token ids must be ints inside the vocabulary")

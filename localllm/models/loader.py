@@ -7,6 +7,7 @@ consumed one at a time so a shard (or a dequantized GGUF tensor) is the most tha
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -232,15 +233,84 @@ def _read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, _GGUFTensor]]:
     return fields, tensors
 
 
-def _open_gguf(path: Path) -> Checkpoint:
+def _parse_gguf(path: Path) -> tuple[dict[str, Any], dict[str, _GGUFTensor]]:
     try:
-        fields, tensors = _read_gguf(path)
+        return _read_gguf(path)
     except Exception as e:  # struct.error, ValueError, KeyError on unknown types: all mean a bad file
         raise LocalLLMError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from e
 
+
+_SHARD_NAME = re.compile(r"(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf")
+
+
+def gguf_shards(path: Path) -> list[Path]:
+    """The files of the GGUF model ``path`` is part of, first to last: all the shards of a split
+    model, named ``<name>-00001-of-0000N.gguf`` as gguf-split and the gguf package write them, or
+    just ``path``."""
+    m = _SHARD_NAME.fullmatch(path.name)
+    if m is None:
+        return [path]
+    count = int(m["count"])
+    return [path.with_name(f"{m['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+
+
+def _read_gguf_model(path: Path) -> tuple[dict[str, Any], dict[str, _GGUFTensor]]:
+    """The metadata and tensors of a GGUF model, given its file or any shard of a split one.
+
+    Invariant of a split model: shard K (0-based ``split.no``) of ``split.count`` holds a disjoint
+    part of the ``split.tensors.count`` tensors, and only the first carries the model's metadata.
+    """
+    fields, tensors = _parse_gguf(path)
+    count = int(fields.get("split.count", 1))
+    if count <= 1:
+        return fields, tensors
+    shards = gguf_shards(path)
+    if len(shards) != count:
+        raise LocalLLMError(
+            f"{path}: a shard of a GGUF split into {count} files, but not named <name>-0000K-of-{count:05d}.gguf; "
+            "give the shards back the names gguf-split wrote"
+        )
+    meta, merged = fields, {}
+    for no, shard in enumerate(shards):
+        if shard == path:
+            part_fields, part = fields, tensors
+        elif not shard.is_file():
+            raise LocalLLMError(
+                f"{shard}: missing; {path.name} is one of {count} shards that must all sit in one folder"
+            )
+        else:
+            part_fields, part = _parse_gguf(shard)
+        got = (part_fields.get("split.no"), part_fields.get("split.count"))
+        if got != (no, count):
+            raise LocalLLMError(
+                f"{shard}: its split.no/split.count are {got[0]}/{got[1]}, expected {no}/{count}; "
+                "the shards come from different splits"
+            )
+        if no == 0:
+            meta = part_fields
+        twice = merged.keys() & part.keys()
+        if twice:
+            raise LocalLLMError(
+                f"{shard}: tensor {min(twice)} is also in an earlier shard; the shards come from different splits"
+            )
+        merged.update(part)
+    expected = int(meta.get("split.tensors.count", len(merged)))
+    if len(merged) != expected:
+        raise LocalLLMError(
+            f"{path}: the {count} shards hold {len(merged)} tensors, but split.tensors.count says {expected}"
+        )
+    return meta, merged
+
+
+def _open_gguf(path: Path) -> Checkpoint:
+    fields, tensors = _read_gguf_model(path)
+
     arch = fields.get("general.architecture")
     if arch not in _GGUF_ARCH:
-        raise LocalLLMError(f"{path}: GGUF architecture {arch!r} is not supported ({', '.join(_GGUF_ARCH)})")
+        raise LocalLLMError(
+            f"{path}: GGUF architecture {arch!r} is not supported; localllm runs {', '.join(_GGUF_ARCH)} "
+            "(llama covers Llama 2/3, Mistral 7B, TinyLlama, SmolLM)"
+        )
 
     def meta(key: str, default: Any = None) -> Any:
         value = fields.get(f"{arch}.{key}", default)
@@ -525,7 +595,7 @@ def save_hf_folder(
     tok.backend.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({
         "chat_template": tok.chat_template, "bos_token": tok.bos_token, "eos_token": tok.eos_token,
-        "add_bos_token": tok.add_bos,
+        "add_bos_token": tok.add_bos, "add_eos_token": tok.add_eos,
     }, indent=2))
     (out / "generation_config.json").write_text(json.dumps({
         "bos_token_id": tok.bos_token_id, "eos_token_id": list(tok.eos_token_ids),

@@ -583,6 +583,8 @@ def serve_command(args: argparse.Namespace, sock: socket.socket) -> int:
     if args.max_num_seqs:
         overrides["max_num_seqs"] = args.max_num_seqs
     llm = LLMEngine(engine_config_from_args(args, **overrides), progress=_progress_printer())
+    if llm.tokenizer.template_note:
+        print(f"localllm: note: {llm.tokenizer.template_note}", file=sys.stderr)
     engine = AsyncEngine(llm)
     try:
         server = _uvicorn(create_app(engine, model_name=args.served_model_name, api_key=args.api_key))

@@ -484,6 +484,7 @@ def load_model(
     block_size: int = 16,
     gpu_memory_utilization: float = 0.9,
     progress: Callable[[str, int, int], None] | None = None,
+    compile: bool = True,
 ) -> LoadedModel:
     """Resolves (pulling if needed), plans against this machine, and loads. ``progress`` gets
     ``(stage, done, total)``."""
@@ -518,7 +519,7 @@ def load_model(
     plan = make_plan(
         cfg, hw, context=max_model_len or context, chats=chats, quant=None if quant == "gguf" else plan_quant,
         dtype=None if dtype == "auto" else dtype, gpu_memory_utilization=gpu_memory_utilization,
-        block_size=block_size, cpu_gguf=cpu_gguf,
+        block_size=block_size, cpu_gguf=cpu_gguf, cpu_compile=compile,
     )
     dev = torch.device(plan.device)
     torch_dtype = _DTYPES[plan.weight_dtype]

@@ -553,6 +553,10 @@ def paged_attention(
             k_scale, v_scale,
         )  # fmt: skip
     if cpu_ops.usable(q, k_cache):
+        if num_decodes == q.shape[0]:  # all one-token rows: the C++ kernel alone, no Python around it
+            return torch.ops.localllm_cpu.paged_attention(
+                q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, 1
+            )
         return paged_attention_cpu(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
     return paged_attention_ref(
         q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, num_decodes,

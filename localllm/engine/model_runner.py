@@ -190,7 +190,9 @@ class ModelRunner:
         from localllm.kernels.cpu_ops import compiled_cache_dir
 
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compiled_cache_dir() / "inductor"))
-        self._compiled = torch.compile(_decode_logits, dynamic=None)
+        # cpp_wrapper: the graph's ~30 x 25 kernel calls run from generated C++, not from a
+        # generated Python function (measured: median step 36 -> 24 ms under load)
+        self._compiled = torch.compile(_decode_logits, dynamic=None, options={"cpp_wrapper": True})
         self._decode_call = self._run_bucket_compiled
         self._decode_gives_logits = True
         sizes = [b for b in (1, 2) if b <= self.buckets[-1]]

@@ -157,6 +157,15 @@ class ModelRunner:
 
     # ---- CUDA graphs (decode only) ----
 
+    def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Logits of a decode batch through the same forward the engine's decode steps take
+        (the compiled one on CPU when compiling), without the static buffers: for benchmarks
+        that drive the model from a plain loop."""
+        if self._decode_gives_logits:
+            return self._compiled(self.model, input_ids, positions, meta.slot_mapping, meta.query_start_loc,
+                                  meta.seq_lens, meta.block_tables)
+        return self.model.compute_logits(self.model(input_ids, positions, meta))
+
     def _init_static_buffers(self, sizes: list[int]) -> None:
         """Input buffers for the largest bucket; a bucket b uses their first b rows. Padding
         rows write nowhere (slot -1) and attend to one token of block 0; their outputs are

@@ -475,6 +475,80 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   return y;
 }
 
+// The packed weight as a dense [N, K] matrix (fp32 or bf16): for prefill-sized batches, where a
+// blocked GEMM on the dense weight (oneDNN, AMX where present) beats integer dot products.
+at::Tensor gguf_dequantize(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& c, int64_t type,
+                           at::ScalarType dtype) {
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dequantize to float32 or bfloat16");
+  const int64_t tiles = codes.size(0), nb = codes.size(1), N = tiles * kTileN, K = nb * 32;
+  TORCH_CHECK(codes.size(2) == code_bytes(type), "codes do not match the block type");
+  auto out = at::empty({N, K}, dtype);
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
+  const uint16_t* ccp = reinterpret_cast<const uint16_t*>(c.data_ptr<at::Half>());
+  const bool q8 = type == kQ8_0, bf16 = dtype == at::kBFloat16;
+  float* of = bf16 ? nullptr : out.data_ptr<float>();
+  uint16_t* ob = bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr;
+  at::parallel_for(0, tiles * nb, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = i / nb, b = i % nb;
+      const uint8_t* blk = cp + i * code_bytes(type);
+      // row n's 8 consecutive codes of each step, as bytes in the low 64 bits of a lane pair
+      __m128i rows[kTileN][4];
+      if (q8) {
+        for (int p = 0; p < 8; p += 2) {  // chunks p, p+1: weights 4p..4p+7 of every row
+          const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * p));
+          const __m256i c2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * (p + 1)));
+          const __m256i lo = _mm256_unpacklo_epi32(a, c2), hi = _mm256_unpackhi_epi32(a, c2);
+          // lo: rows 0,1 | 4,5; hi: rows 2,3 | 6,7 (64 bits each)
+          rows[0][p / 2] = _mm256_castsi256_si128(lo);
+          rows[1][p / 2] = _mm_srli_si128(_mm256_castsi256_si128(lo), 8);
+          rows[2][p / 2] = _mm256_castsi256_si128(hi);
+          rows[3][p / 2] = _mm_srli_si128(_mm256_castsi256_si128(hi), 8);
+          rows[4][p / 2] = _mm256_extracti128_si256(lo, 1);
+          rows[5][p / 2] = _mm_srli_si128(_mm256_extracti128_si256(lo, 1), 8);
+          rows[6][p / 2] = _mm256_extracti128_si256(hi, 1);
+          rows[7][p / 2] = _mm_srli_si128(_mm256_extracti128_si256(hi, 1), 8);
+        }
+      } else {
+        const __m256i mask = _mm256_set1_epi8(0x0f);
+        for (int p = 0; p < 4; ++p) {  // chunk p: weights 8p..8p+3 (low nibbles), 8p+4..8p+7 (high)
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * p));
+          const __m256i a = _mm256_and_si256(raw, mask), c2 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+          const __m256i lo = _mm256_unpacklo_epi32(a, c2), hi = _mm256_unpackhi_epi32(a, c2);
+          rows[0][p] = _mm256_castsi256_si128(lo);
+          rows[1][p] = _mm_srli_si128(_mm256_castsi256_si128(lo), 8);
+          rows[2][p] = _mm256_castsi256_si128(hi);
+          rows[3][p] = _mm_srli_si128(_mm256_castsi256_si128(hi), 8);
+          rows[4][p] = _mm256_extracti128_si256(lo, 1);
+          rows[5][p] = _mm_srli_si128(_mm256_extracti128_si256(lo, 1), 8);
+          rows[6][p] = _mm256_extracti128_si256(hi, 1);
+          rows[7][p] = _mm_srli_si128(_mm256_extracti128_si256(hi, 1), 8);
+        }
+      }
+      for (int64_t n = 0; n < kTileN; ++n) {
+        const __m256 dn = _mm256_set1_ps(half_to_float(dp[i * kTileN + n]));
+        const __m256 cn = _mm256_set1_ps(half_to_float(ccp[i * kTileN + n]));
+        const int64_t off = (t * kTileN + n) * K + b * 32;
+        for (int s8 = 0; s8 < 4; ++s8) {
+          const __m256i qi = q8 ? _mm256_cvtepi8_epi32(rows[n][s8]) : _mm256_cvtepu8_epi32(rows[n][s8]);
+          const __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(qi), dn, cn);
+          if (!bf16) {
+            _mm256_storeu_ps(of + off + 8 * s8, w);
+          } else {  // round to nearest even: add 0x7fff + the kept lowest bit, then truncate
+            const __m256i bits = _mm256_castps_si256(w);
+            const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+            const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)), lsb), 16);
+            const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(ob + off + 8 * s8), packed);
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
 #endif  // LOCALLLM_GGUF_KERNELS
 
 }  // namespace
@@ -486,6 +560,7 @@ TORCH_LIBRARY(localllm_cpu, m) {
 #ifdef LOCALLLM_GGUF_KERNELS
   m.def("gguf_repack(Tensor weight, int type, int in_features) -> Tensor[]");
   m.def("gguf_linear(Tensor x, Tensor codes, Tensor d, Tensor c, int type, int levels) -> Tensor");
+  m.def("gguf_dequantize(Tensor codes, Tensor d, Tensor c, int type, ScalarType dtype) -> Tensor");
 #endif
 }
 
@@ -495,5 +570,6 @@ TORCH_LIBRARY_IMPL(localllm_cpu, CPU, m) {
 #ifdef LOCALLLM_GGUF_KERNELS
   m.impl("gguf_repack", &gguf_repack);
   m.impl("gguf_linear", &gguf_linear);
+  m.impl("gguf_dequantize", &gguf_dequantize);
 #endif
 }

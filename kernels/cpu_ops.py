@@ -116,6 +116,10 @@ def _register_fakes() -> None:
         def _(x, codes, d, c, type, levels):  # type: ignore[no-untyped-def]
             return x.new_empty(x.shape[0], codes.shape[0] * 8)
 
+        @torch.library.register_fake("localllm_cpu::gguf_dequantize")
+        def _(codes, d, c, type, dtype):  # type: ignore[no-untyped-def]
+            return codes.new_empty(codes.shape[0] * 8, codes.shape[1] * 32, dtype=dtype)
+
     @torch.library.register_fake("localllm_cpu::store_kv")
     def _(k, v, k_cache, v_cache, slot_mapping):  # type: ignore[no-untyped-def]
         return None
@@ -129,3 +133,8 @@ def usable(x: torch.Tensor, cache: torch.Tensor) -> bool:
 def has_gguf_kernels() -> bool:
     """The GGUF block kernels are built only on x86-64-v3 CPUs (AVX2, FMA, F16C)."""
     return load() and hasattr(torch.ops.localllm_cpu, "gguf_linear")
+
+
+def fast_bf16() -> bool:
+    """bf16 matmuls beat fp32 here (AMX or AVX512-BF16); without them oneDNN emulates bf16."""
+    return any(f in _cpu_signature().split() for f in ("amx_bf16", "avx512_bf16"))

@@ -100,3 +100,20 @@ def test_gguf_linear_matches_gguf_reference(type_: int, levels: int) -> None:
     err = {lv: (torch.ops.localllm_cpu.gguf_linear(x, lin.codes, lin.d, lin.c, type_, lv) - exact).abs().max()
            for lv in (1, 2)}
     assert err[2] < err[1] / 20
+
+
+@pytest.mark.skipif(not cpu_ops.has_gguf_kernels(), reason="GGUF kernels need an x86-64-v3 CPU")
+@pytest.mark.parametrize("type_", [2, 3, 8], ids=["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_dequantize_is_the_files_weight(type_: int) -> None:
+    """The dense expansion prefill multiplies with: exact in fp32, bf16-rounded in bf16."""
+    from localllm.quant.gguf import GGUFBlocks, GGUFLinear, dequantize_blocks, quantize_blocks
+
+    w = torch.randn(64, 96) * 0.05
+    blocks = quantize_blocks(w, type_)
+    lin = GGUFLinear(96, 64, type_)
+    lin.load_weight("weight", GGUFBlocks(type_, blocks), None)
+    ref = dequantize_blocks(blocks, type_)
+    dense = torch.ops.localllm_cpu.gguf_dequantize(lin.codes, lin.d, lin.c, type_, torch.float32)
+    assert torch.equal(dense, ref)
+    dense16 = torch.ops.localllm_cpu.gguf_dequantize(lin.codes, lin.d, lin.c, type_, torch.bfloat16)
+    assert torch.equal(dense16, ref.bfloat16())

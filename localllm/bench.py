@@ -531,8 +531,8 @@ async def bench_multiturn(target: _Target, opts: BenchOptions, nonce: str) -> di
 # ---- batch-1 decode: the engine against a plain loop ----
 
 def plain_greedy(llm: Any, prompt_ids: list[int], n_tokens: int) -> tuple[list[int], float]:
-    """Greedy decode straight on the model runner's model and KV pool: one sequence, a
-    contiguous block table, argmax; no scheduler, sampler or detokenizer. Returns the tokens
+    """Greedy decode straight on the model runner's model (compiled where the engine's is) and
+    KV pool: one sequence, a contiguous block table, argmax; no scheduler, sampler or detokenizer. Returns the tokens
     and the decode rate (tokens after the first, per second). The engine must be idle: the
     blocks come from its block manager and go back to it unhashed."""
     import torch
@@ -568,8 +568,8 @@ def plain_greedy(llm: Any, prompt_ids: list[int], n_tokens: int) -> tuple[list[i
             for i in range(p, total - 1):
                 meta = AttentionMetadata(slots[i : i + 1], qsl, torch.tensor([i + 1], dtype=torch.int32, device=dev),
                                          table, 1)
-                hidden = model(torch.tensor([token], dtype=torch.int64, device=dev), pos[i : i + 1], meta)
-                token = int(model.compute_logits(hidden).argmax(-1))  # int(): syncs, as the engine does
+                logits = runner.decode_logits(torch.tensor([token], dtype=torch.int64, device=dev), pos[i : i + 1], meta)
+                token = int(logits.argmax(-1))  # int(): syncs, as the engine does
                 tokens.append(token)
             elapsed = time.monotonic() - t0
     finally:

@@ -51,6 +51,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quant", default=None, help="online weight quantization: int8, fp8, awq, rtn4 (default: the plan's)")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit per sequence")
     p.add_argument("--device", default=None, help="cpu or cuda (default: the best available)")
+    p.add_argument("--no-compile", action="store_true",
+                   help="CPU: run the decode step eagerly instead of through torch.compile (also LOCALLLM_NO_COMPILE=1)")
 
 
 def build_parser() -> argparse.ArgumentParser:

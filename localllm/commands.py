@@ -43,7 +43,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> Any:
 
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, quant=args.quant,
-        max_model_len=args.max_model_len, **overrides,
+        max_model_len=args.max_model_len, compile=not args.no_compile, **overrides,
     )
 
 

@@ -8,6 +8,7 @@ the server. It never blocks on a consumer.
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass, field
@@ -40,6 +41,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
     use_cuda_graphs: bool = True
+    compile: bool = True  # CPU decode through torch.compile; False (or LOCALLLM_NO_COMPILE=1) keeps eager
+    decode_buckets: list[int] | None = None  # rehearse the CUDA-graph bookkeeping eagerly (tests)
 
 
 @dataclass(slots=True)
@@ -100,6 +103,7 @@ class LLMEngine:
             max_model_len=config.max_model_len, context=config.context, chats=config.chats,
             num_kv_blocks=config.num_kv_blocks, block_size=config.block_size,
             gpu_memory_utilization=config.gpu_memory_utilization, progress=progress,
+            compile=self._compiles(config),
         )
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
@@ -112,6 +116,8 @@ class LLMEngine:
             loaded.model, loaded.num_kv_blocks, config.block_size, loaded.kv_dtype, loaded.max_model_len,
             use_cuda_graphs=config.use_cuda_graphs and loaded.use_cuda_graphs,
             max_graph_batch=config.max_num_seqs or self.plan.max_num_seqs,
+            compile_cpu=self._compiles(config),
+            decode_buckets=config.decode_buckets, progress=progress,
         )
         self.scheduler = Scheduler(
             self.block_manager,
@@ -127,6 +133,11 @@ class LLMEngine:
         self._hit_tokens = 0
         self._prompt_tokens = 0
         self._max_batch = 0
+
+    @staticmethod
+    def _compiles(config: EngineConfig) -> bool:
+        """Whether a CPU engine compiles its decode step (the planner sizes memory for it)."""
+        return config.compile and os.environ.get("LOCALLLM_NO_COMPILE", "0") in ("", "0")
 
     # ---- requests ----
 

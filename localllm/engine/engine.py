@@ -93,7 +93,7 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, progress: Callable[[str, int, int], None] | None = None):
         from localllm.models.loader import load_model
-        from localllm.models.sampling_defaults import sampling_defaults
+        from localllm.engine.sampling_defaults import sampling_defaults
 
         self.config = config = config or EngineConfig()
         loaded = load_model(

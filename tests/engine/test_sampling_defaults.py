@@ -11,7 +11,7 @@ import pytest
 from localllm import LLM, SamplingParams
 from localllm.catalog import DEFAULT_MODEL
 from localllm.errors import LocalLLMError
-from localllm.models.sampling_defaults import catalog_entry_for, read_generation_config, sampling_defaults
+from localllm.engine.sampling_defaults import catalog_entry_for, read_generation_config, sampling_defaults
 from tests.models.test_random_models import tokenizer_folder, write_random_model  # noqa: F401 - a fixture
 
 QWEN25_GENERATION_CONFIG = {  # Qwen/Qwen2.5-7B-Instruct's generation_config.json

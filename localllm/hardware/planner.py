@@ -358,13 +358,15 @@ def plan(
     gpu_memory_utilization: float = 0.9,
     block_size: int = 16,
     suggest_models: bool = True,
+    name: str | None = None,
 ) -> Plan:
     """The plan for ``model`` on ``hw``. Raises LocalLLMError for bad input, DoesNotFit when
-    nothing fits (with the nearest plan that would)."""
+    nothing fits (with the nearest plan that would). ``name`` is what messages and the plan
+    call the model (default: the model's id or name attribute)."""
     if dtype == "auto":
         dtype = None
     _validate(context, chats, quant, dtype, gpu_memory_utilization, block_size)
-    name = _model_name(model)
+    name = name or _model_name(model)
     model_max = _model_max_context(model)
     if context is not None and model_max is not None and context > model_max:
         raise LocalLLMError(

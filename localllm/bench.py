@@ -719,7 +719,7 @@ def _positive_ints(text: str) -> tuple[int, ...]:
 
 
 def register(sub: Any) -> None:
-    from localllm.cli import _add_model_arg, _lazy
+    from localllm.cli import _add_engine_args, _add_model_arg, _lazy
 
     p: argparse.ArgumentParser = sub.add_parser(
         "bench", help="throughput and latency: concurrent chats, shared-prefix RAG, multi-turn",
@@ -727,7 +727,7 @@ def register(sub: Any) -> None:
     )
     _add_model_arg(p)
     p.add_argument("--endpoint", default=None, help="benchmark this OpenAI-compatible server instead")
-    p.add_argument("--api-key", default=None)
+    p.add_argument("--api-key", default=None, help="bearer token for --endpoint")
     p.add_argument("--workload", type=_csv(str, WORKLOADS), default=WORKLOADS, help="default chats,rag,multiturn")
     p.add_argument("--chats", type=_positive_ints, default=(1, 4, 16, 64), help="concurrent chats N (default 1,4,16,64)")
     p.add_argument("--mix", type=_csv(str, MIXES), default=MIXES, help="chat output-length mixes (default mixed,straggler)")
@@ -741,11 +741,8 @@ def register(sub: Any) -> None:
     p.add_argument("--turns", type=int, default=10, help="multiturn turns (default 10)")
     p.add_argument("--plain-tokens", type=int, default=64, help="batch-1 decode tokens against the plain loop (0 skips)")
     p.add_argument("--json", action="store_true", help="print the full report as JSON")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
-    p.add_argument("--quant", default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
+    _add_engine_args(p)
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (default: the plan's)")
-    p.add_argument("--device", default=None)
     p.set_defaults(func=_lazy("localllm.bench:main"))
 
 

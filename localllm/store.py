@@ -204,6 +204,7 @@ def _import_local(path: Path, progress: PullProgress | None = None) -> Path:
     (folder / _MARKER).write_text("local\n")
     result = _model_path(folder)
     assert result is not None
+    _say(f"imported {path} -> {result} ({total / 2**20:.1f} MiB); run it as --model {folder.name}")
     return result
 
 

@@ -96,6 +96,7 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, progress: Callable[[str, int, int], None] | None = None):
         from localllm.models.loader import load_model
+        from localllm.engine.sampling_defaults import sampling_defaults
 
         self.config = config = config or EngineConfig()
         loaded = load_model(
@@ -111,6 +112,9 @@ class LLMEngine:
         self.precision = loaded.precision
         self.device = loaded.device
         self.max_model_len = loaded.max_model_len
+        # What the model asks for when a caller leaves a sampling field unset: only the keys the
+        # model sets, by SamplingParams name (run, LLM.generate, the server and the TUI read it).
+        self.sampling_defaults: dict[str, float | int] = sampling_defaults(loaded.path, loaded.name)
         self.block_manager = BlockManager(loaded.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(
             loaded.model, loaded.num_kv_blocks, config.block_size, loaded.kv_dtype, loaded.max_model_len,

@@ -368,15 +368,17 @@ def plan(
     suggest_models: bool = True,
     cpu_gguf: str | None = None,
     cpu_compile: bool = True,
+    name: str | None = None,
 ) -> Plan:
     """The plan for ``model`` on ``hw``. Raises LocalLLMError for bad input, DoesNotFit when
     nothing fits (with the nearest plan that would). ``cpu_gguf``: the checkpoint is a GGUF
     file whose blocks the CPU kernels run as they are, and the measured reason they win; a
-    CPU plan then starts from "gguf"."""
+    CPU plan then starts from "gguf". ``name`` is what messages and the plan call the model
+    (default: the model's id or name attribute)."""
     if dtype == "auto":
         dtype = None
     _validate(context, chats, quant, dtype, gpu_memory_utilization, block_size)
-    name = _model_name(model)
+    name = name or _model_name(model)
     model_max = _model_max_context(model)
     if context is not None and model_max is not None and context > model_max:
         raise LocalLLMError(

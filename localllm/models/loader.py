@@ -7,6 +7,7 @@ consumed one at a time so a shard (or a dequantized GGUF tensor) is the most tha
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field, replace
@@ -492,6 +493,10 @@ def load_model(
     from localllm.hardware.planner import plan as make_plan
     from localllm.hardware.probe import probe_hardware
 
+    if quant is not None:
+        from localllm.quant import check_method
+
+        quant = check_method(quant)  # an unknown method fails before the model is fetched
     path = store.resolve(name)
     ckpt = open_checkpoint(path)
     cfg = ckpt.config
@@ -519,7 +524,7 @@ def load_model(
     plan = make_plan(
         cfg, hw, context=max_model_len or context, chats=chats, quant=None if quant == "gguf" else plan_quant,
         dtype=None if dtype == "auto" else dtype, gpu_memory_utilization=gpu_memory_utilization,
-        block_size=block_size, cpu_gguf=cpu_gguf, cpu_compile=compile,
+        block_size=block_size, cpu_gguf=cpu_gguf, cpu_compile=compile, name=name or store.DEFAULT_MODEL,
     )
     dev = torch.device(plan.device)
     torch_dtype = _DTYPES[plan.weight_dtype]
@@ -603,3 +608,7 @@ def save_hf_folder(
     }, indent=2))
     state = {name: t.contiguous() for name, t in (tensors if tensors is not None else ckpt.weights())}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    # safetensors creates the file 0600; give it the mode any file written here gets
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(out / "model.safetensors", 0o666 & ~umask)

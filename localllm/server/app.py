@@ -70,6 +70,7 @@ class _State:
     context_limit: int
     created: int
     token_text: Callable[[int], str]
+    sampling_defaults: dict[str, float | int]  # for the fields a request omits
 
 
 def _make_state(engine: AsyncEngine, model_name: str | None) -> _State:
@@ -82,7 +83,7 @@ def _make_state(engine: AsyncEngine, model_name: str | None) -> _State:
         return tokenizer.decode([token_id], skip_special_tokens=False)
 
     return _State(engine, model_name or llm.model_name, min(llm.max_model_len, bm.num_blocks * bm.block_size),
-                  int(time.time()), token_text)
+                  int(time.time()), token_text, dict(llm.sampling_defaults))
 
 
 def _fan_in(engine: AsyncEngine, jobs: list[Job]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -354,7 +355,7 @@ def create_app(
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{
             "id": state.model, "object": "model", "created": state.created, "owned_by": "localllm",
-            "max_model_len": state.context_limit,
+            "max_model_len": state.context_limit, "sampling_defaults": state.sampling_defaults,
         }]})
 
     async def metrics(request: Request) -> Response:
@@ -375,7 +376,7 @@ def create_app(
         return Response(text, media_type="text/plain; version=0.0.4")
 
     async def chat_completions(request: Request) -> Response:
-        req = parse_chat(await _read_json(request, max_body_bytes))
+        req = parse_chat(await _read_json(request, max_body_bytes), state.sampling_defaults)
         ids = await _prompt_ids(state, req.messages)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         jobs = _jobs(state, req, [ids], "messages", rid)
@@ -395,7 +396,7 @@ def create_app(
                              "model": state.model, "choices": choices, "usage": _usage([ids], req.n, finals)})
 
     async def completions(request: Request) -> Response:
-        req = parse_completion(await _read_json(request, max_body_bytes))
+        req = parse_completion(await _read_json(request, max_body_bytes), state.sampling_defaults)
         prompts = [await _prompt_ids(state, p) for p in req.prompts]
         rid = f"cmpl-{uuid.uuid4().hex}"
         jobs = _jobs(state, req, prompts, "prompt", rid)

@@ -719,7 +719,7 @@ def _positive_ints(text: str) -> tuple[int, ...]:
 
 
 def register(sub: Any) -> None:
-    from localllm.cli import _add_model_arg, _lazy
+    from localllm.cli import _add_kv_cache_args, _add_model_arg, _lazy
 
     p: argparse.ArgumentParser = sub.add_parser(
         "bench", help="throughput and latency: concurrent chats, shared-prefix RAG, multi-turn",
@@ -746,6 +746,7 @@ def register(sub: Any) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (default: the plan's)")
     p.add_argument("--device", default=None)
+    _add_kv_cache_args(p)
     p.set_defaults(func=_lazy("localllm.bench:main"))
 
 
@@ -777,7 +778,8 @@ def main(args: argparse.Namespace) -> int:
         config = EngineConfig(
             model=args.model, dtype=args.dtype, device=args.device, quant=args.quant,
             max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
-            max_num_seqs=max(max(args.chats), 1),
+            max_num_seqs=max(max(args.chats), 1), kv_cache_dtype=args.kv_cache_dtype,
+            calculate_kv_scales=args.calculate_kv_scales,
         )
         engine = AsyncEngine(LLMEngine(config, progress=_progress_printer()))
 

@@ -8,6 +8,7 @@ On CUDA, pure-decode steps replay CUDA graphs captured per batch-size bucket.
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,7 @@ from localllm.engine.sampler import SamplerOutput, sample
 from localllm.engine.scheduler import ScheduledBatch
 from localllm.engine.sequence import Sequence
 from localllm.models.llama import AttentionMetadata, LlamaForCausalLM
+from localllm.quant.kv_cache import kv_scale_tensor
 
 GRAPH_BATCH_SIZES = [1, 2, 4, 8] + list(range(16, 257, 16))
 
@@ -30,7 +32,9 @@ class StepInputs:
 
 
 class ModelRunner:
-    """Owns the model and the KV pool: ``[2, layers, num_blocks, block_size, kv_heads, head_dim]``.
+    """Owns the model and the KV pool: ``[2, layers, num_blocks, block_size, kv_heads, head_dim]``,
+    and for an FP8 pool its per-layer K and V scales ``[2, layers]`` (fp32; the pool stores
+    ``K / k_scale``), which never change after start-up.
 
     Invariant: after ``execute`` returns, the KV of every scheduled token is in the pool at the
     slot its sequence's block table gives for its position.
@@ -45,7 +49,9 @@ class ModelRunner:
         max_model_len: int,
         use_cuda_graphs: bool = False,
         max_graph_batch: int = 256,
+        kv_scales: Seq[tuple[float, float]] | None = None,
     ) -> None:
+        """``kv_scales``: (k_scale, v_scale) per layer for an FP8 pool; default 1.0 (vLLM's)."""
         cfg = model.config
         self.model = model
         self.device = model.lm_head.weight.device
@@ -57,9 +63,12 @@ class ModelRunner:
             dtype=kv_dtype, device=self.device,
         )
         self.kv_cache.fill_(0)  # touch every page now: the pool is reserved up front, and measured
+        self.kv_scales = kv_scale_tensor(kv_scales, cfg.num_layers, self.device)
         for i, layer in enumerate(model.model.layers):
             layer.self_attn.k_cache = self.kv_cache[0, i]
             layer.self_attn.v_cache = self.kv_cache[1, i]
+            layer.self_attn.k_scale = self.kv_scales[0, i]
+            layer.self_attn.v_scale = self.kv_scales[1, i]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if use_cuda_graphs and self.device.type == "cuda":
             self._capture_graphs(max_graph_batch)

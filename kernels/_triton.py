@@ -74,6 +74,7 @@ __all__ = [
     "configs_for",
     "dot_fp32",
     "gemm_backend_choice",
+    "gpu_tiles",
     "launch_configs",
     "next_power_of_2",
     "num_sms",
@@ -94,6 +95,13 @@ def rehearsing() -> bool:
 
 def use_triton(t: torch.Tensor) -> bool:
     return HAS_TRITON and (t.is_cuda or (REHEARSAL and t.device.type == "cpu"))
+
+
+def gpu_tiles(t: torch.Tensor) -> bool:
+    """Whether a launch takes the tile configs a GPU would (the autotuner's, collapsed to its
+    first config under the interpreter): on CUDA, and in a rehearsal, which poses as a GPU.
+    The interpreter's kernel tests keep small fixed tiles instead, which cost less there."""
+    return REHEARSAL or (t.is_cuda and not INTERPRET)
 
 
 def next_power_of_2(n: int) -> int:

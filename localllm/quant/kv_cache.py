@@ -60,13 +60,15 @@ def calibration_prompt(tokenizer: Tokenizer) -> list[int]:
 
 @torch.inference_mode()
 def calibrate_kv_scales(model: LlamaForCausalLM, token_ids: Sequence[int]) -> list[tuple[float, float]]:
-    """(k_scale, v_scale) per layer from one prefill of ``token_ids``.
+    """(k_scale, v_scale) per layer from one prefill of ``token_ids`` (cut to the positions the
+    model's rotary table covers).
 
     The prefill writes into a private pool (fp32 on CPU, the model dtype elsewhere) that this
     function attaches to the model; the caller attaches the engine's pool afterwards.
     """
     from localllm.quant.forward import KVPool, blocks_for, device_of, prefill_batch
 
+    token_ids = list(token_ids)[: model.cos_sin.shape[0]]
     dev = device_of(model)
     n = len(token_ids)
     dtype = torch.float32 if dev.type == "cpu" else model.lm_head.weight.dtype

@@ -301,13 +301,13 @@ def format_table(report: EvalReport) -> str:
             f"{report.window}; {report.device} {report.dtype}"
             + (f"; int4 group {report.group_size}" if report.group_size else "")
             + (f"; calib {report.calib} ({report.calib_tokens} tokens)" if report.calib else ""))
-    cols = (f"{'mode':<10} {'kv cache':<14} {'ppl':>9} {'delta':>8} {'weights':>10} {'decode':>10} {'agree':>7}"
+    cols = (f"{'mode':<10} {'kv cache':<16} {'ppl':>9} {'delta':>8} {'weights':>10} {'decode':>10} {'agree':>7}"
             f" {'prefix':>7} {'load':>7}")
     lines = [head, cols, "-" * len(cols)]
     for r in report.results:
         kv = r.kv_cache_dtype + (f" ({r.kv_scales})" if r.kv_scales else "")
         lines.append(
-            f"{r.mode:<10} {kv:<14} {r.perplexity:>9.3f} {r.delta_pct:>+7.2f}% {r.weight_bytes / 2**20:>7.1f}MiB "
+            f"{r.mode:<10} {kv:<16} {r.perplexity:>9.3f} {r.delta_pct:>+7.2f}% {r.weight_bytes / 2**20:>7.1f}MiB "
             f"{r.decode_tok_s:>6.1f}t/s {r.agreement:>6.1%} {r.agree_prefix:>7.1f} {r.quantize_s:>6.1f}s"
         )
     for name, g in report.gates.items():

@@ -25,11 +25,11 @@ from localllm.hardware.probe import GiB, GPUInfo, Hardware, MemoryMeter, MiB, pr
 from localllm.hardware.sizing import (
     DTYPE_BYTES,
     QUANTS,
-    kv_cache_dtype_name,
     ModelDims,
     count_params,
     decode_read_bytes,
     kv_bytes_per_token,
+    kv_cache_dtype_name,
     weight_bytes,
     workspace_bytes,
 )

@@ -265,12 +265,18 @@ def test_the_environment_switch_rehearses_a_cli_run(tiny_models: dict[str, Path]
     path, prompt = tiny_models["llama"], "The quick brown fox"
     want = _tokens(_engine(path).generate([prompt], _greedy(3)))[0]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = (
-        "import sys; from localllm.kernels import _triton; from localllm.cli import main;"
-        "assert _triton.rehearsing() and _triton.INTERPRET;"
-        "sys.exit(main(['run', '--model', sys.argv[1], '--raw', '--json', '--dtype', 'float32', '--device', 'cpu',"
-        " '--max-tokens', '3', '--temperature', '0', '--max-model-len', '256', sys.argv[2]]))"
-    )
+    code = """if True:
+        import importlib, sys
+        from localllm.kernels import _triton
+        from localllm.cli import main
+        assert _triton.rehearsing() and _triton.INTERPRET
+        kernel = importlib.import_module("localllm.kernels.paged_attention")._paged_attention_kernel
+        launches, run = [], kernel.run
+        kernel.run = lambda *a, **kw: launches.append(1) or run(*a, **kw)
+        rc = main(["run", "--model", sys.argv[1], "--raw", "--json", "--dtype", "float32", "--device", "cpu",
+                   "--max-tokens", "3", "--temperature", "0", "--max-model-len", "256", sys.argv[2]])
+        sys.exit(rc if launches else "no attention kernel launched")
+    """
     result = subprocess.run([sys.executable, "-c", code, str(path), prompt], capture_output=True, text=True,
                             cwd=REPO, env={**env, "LOCALLLM_TRITON_ON_CPU": "1"}, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -4,8 +4,9 @@ Per mode, on one model: perplexity over non-overlapping windows of a text, its c
 against the unquantized model, the bytes of the weights, batch-1 decode speed, and the
 agreement of greedy tokens with the unquantized model's 128-token continuations of five chat
 prompts. Each mode runs once per KV cache dtype asked for (``--kv-cache-dtype auto,fp8``);
-the first dtype's unquantized row is the reference every change is measured against. Agreement is teacher-forced: the quantized model reads the unquantized continuation
-and we count the positions where its argmax is the same token (top-1 agreement); the first
+the first dtype's unquantized row is the reference every change is measured against.
+Agreement is teacher-forced: the quantized model reads the unquantized continuation and we
+count the positions where its argmax is the same token (top-1 agreement); the first
 disagreement is exactly where a free-running greedy generation would part ways (prefix).
 """
 

@@ -774,7 +774,8 @@ def main(args: argparse.Namespace) -> int:
         config = EngineConfig(
             model=args.model, dtype=args.dtype, device=args.device, quant=args.quant,
             max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
-            max_num_seqs=max(max(args.chats), 1),
+            max_num_seqs=max(max(args.chats), 1), kv_cache_dtype=args.kv_cache_dtype,
+            calculate_kv_scales=args.calculate_kv_scales,
         )
         engine = AsyncEngine(LLMEngine(config, progress=_progress_printer()))
 

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 
 from localllm.engine.block_manager import BlockManager
 from localllm.engine.model_runner import ModelRunner
@@ -43,6 +44,8 @@ class EngineConfig:
     use_cuda_graphs: bool = True
     compile: bool = True  # CPU decode through torch.compile; False (or LOCALLLM_NO_COMPILE=1) keeps eager
     decode_buckets: list[int] | None = None  # rehearse the CUDA-graph bookkeeping eagerly (tests)
+    kv_cache_dtype: str = "auto"  # auto | fp8 | fp8_e4m3 (vLLM's names); auto = the plan's
+    calculate_kv_scales: bool = False  # FP8 cache: scales from a calibration prompt, not 1.0
 
 
 @dataclass(slots=True)
@@ -103,8 +106,8 @@ class LLMEngine:
             config.model, dtype=config.dtype, device=config.device, quant=config.quant,
             max_model_len=config.max_model_len, context=config.context, chats=config.chats,
             num_kv_blocks=config.num_kv_blocks, block_size=config.block_size,
-            gpu_memory_utilization=config.gpu_memory_utilization, progress=progress,
-            compile=self._compiles(config),
+            gpu_memory_utilization=config.gpu_memory_utilization, kv_cache_dtype=config.kv_cache_dtype,
+            progress=progress, compile=self._compiles(config),
         )
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
@@ -115,13 +118,24 @@ class LLMEngine:
         # What the model asks for when a caller leaves a sampling field unset: only the keys the
         # model sets, by SamplingParams name (run, LLM.generate, the server and the TUI read it).
         self.sampling_defaults: dict[str, float | int] = sampling_defaults(loaded.path, loaded.name)
+        self.kv_cache_dtype = loaded.kv_dtype
+        # (k_scale, v_scale) per layer of an FP8 cache; None = 1.0 each, or not FP8.
+        self.kv_scales: list[tuple[float, float]] | None = None
+        if config.calculate_kv_scales and loaded.kv_dtype == torch.float8_e4m3fn:
+            from localllm.quant.kv_cache import calibrate_kv_scales, calibration_prompt
+
+            if progress is not None:
+                progress("calibrating KV scales", 0, 1)
+            self.kv_scales = calibrate_kv_scales(loaded.model, calibration_prompt(loaded.tokenizer))
+            if progress is not None:
+                progress("calibrating KV scales", 1, 1)
         self.block_manager = BlockManager(loaded.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(
             loaded.model, loaded.num_kv_blocks, config.block_size, loaded.kv_dtype, loaded.max_model_len,
             use_cuda_graphs=config.use_cuda_graphs and loaded.use_cuda_graphs,
             max_graph_batch=config.max_num_seqs or self.plan.max_num_seqs,
             compile_cpu=self._compiles(config),
-            decode_buckets=config.decode_buckets, progress=progress,
+            decode_buckets=config.decode_buckets, progress=progress, kv_scales=self.kv_scales,
         )
         self.scheduler = Scheduler(
             self.block_manager,

@@ -18,6 +18,7 @@ from torch import nn
 
 from localllm.errors import LocalLLMError
 from localllm.kernels import paged_attention, rms_norm, rotary_and_store_kv, silu_and_mul
+from localllm.kernels._triton import use_triton
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -151,18 +152,23 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        # Set by the model runner once the KV pool exists: [num_blocks, block_size, KVH, D] each.
+        # Set by the model runner once the KV pool exists: [num_blocks, block_size, KVH, D] each,
+        # and for an FP8 cache the per-tensor scales it stores K / k_scale and V / v_scale with
+        # (1-element fp32 tensors, so CUDA graphs replay them; 1.0 until set, as in vLLM).
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        self.k_scale: torch.Tensor | float = 1.0
+        self.v_scale: torch.Tensor | float = 1.0
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv_proj(x)
-        if qkv.device.type == "cpu" and self.k_cache.dtype == torch.float32:
-            # The CPU KV cache is fp32 (bf16 SDPA is 6-8x slower there); one cast here replaces
-            # the casts that rotary, the cache write and SDPA would each make.
+        if not use_triton(qkv) and self.k_cache.dtype in (torch.float32, torch.float8_e4m3fn):
+            # The CPU attention runs in fp32 (bf16 SDPA is 6-8x slower there), over an fp32
+            # cache or an FP8 one dequantized to q's dtype; one cast here replaces the casts
+            # that rotary, the cache write and SDPA would each make.
             qkv = qkv.float()
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(T, self.num_heads, self.head_dim)
@@ -170,10 +176,11 @@ class Attention(nn.Module):
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = rotary_and_store_kv(q, k, v, positions, cos_sin, self.k_cache, self.v_cache, meta.slot_mapping)
+        q = rotary_and_store_kv(q, k, v, positions, cos_sin, self.k_cache, self.v_cache, meta.slot_mapping,
+                                self.k_scale, self.v_scale)
         o = paged_attention(
             q, self.k_cache, self.v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-            self.scale, meta.num_decodes,
+            self.scale, meta.num_decodes, self.k_scale, self.v_scale,
         )
         return self.o_proj(o.reshape(T, self.q_size).to(x.dtype))
 

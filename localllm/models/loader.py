@@ -456,6 +456,8 @@ class LoadedModel:
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Plan KV dtype names -> torch storage dtypes ("fp8" is e4m3, as vLLM's "fp8").
+_KV_DTYPES = {**_DTYPES, "fp8": torch.float8_e4m3fn}
 
 
 def _release_loader_memory() -> None:
@@ -484,6 +486,7 @@ def load_model(
     num_kv_blocks: int | None = None,
     block_size: int = 16,
     gpu_memory_utilization: float = 0.9,
+    kv_cache_dtype: str = "auto",
     progress: Callable[[str, int, int], None] | None = None,
     compile: bool = True,
 ) -> LoadedModel:
@@ -492,6 +495,7 @@ def load_model(
     from localllm import store
     from localllm.hardware.planner import plan as make_plan
     from localllm.hardware.probe import probe_hardware
+    from localllm.kernels._triton import rehearsing
 
     if quant is not None:
         from localllm.quant import check_method
@@ -525,9 +529,18 @@ def load_model(
         cfg, hw, context=max_model_len or context, chats=chats, quant=None if quant == "gguf" else plan_quant,
         dtype=None if dtype == "auto" else dtype, gpu_memory_utilization=gpu_memory_utilization,
         block_size=block_size, cpu_gguf=cpu_gguf, cpu_compile=compile, name=name or store.DEFAULT_MODEL,
+        kv_cache_dtype=kv_cache_dtype,
     )
     dev = torch.device(plan.device)
     torch_dtype = _DTYPES[plan.weight_dtype]
+    kv_dtype = _KV_DTYPES[plan.kv_dtype]
+    if rehearsing() and dev.type == "cpu":
+        if torch_dtype == torch.bfloat16:
+            raise LocalLLMError(
+                "LOCALLLM_TRITON_ON_CPU=1 runs the Triton kernels under the interpreter, which computes bf16"
+                " wrongly: pass --dtype float32 or --dtype float16")
+        if kv_dtype == torch.float32:
+            kv_dtype = torch_dtype  # what a GPU would store: the activation dtype
     max_len = min(max_model_len or plan.max_model_len, cfg.max_position_embeddings)
     blocks = num_kv_blocks or plan.num_kv_blocks
     # An explicit method wins over the plan's label (rtn4 and int8-w8a8 plan as awq and int8).
@@ -564,7 +577,7 @@ def load_model(
     _release_loader_memory()
     return LoadedModel(
         name=name or store.DEFAULT_MODEL, path=path, model=model, tokenizer=ckpt.tokenizer, plan=plan,
-        precision=method or plan.weight_dtype, device=dev, kv_dtype=_DTYPES[plan.kv_dtype],
+        precision=method or plan.weight_dtype, device=dev, kv_dtype=kv_dtype,
         max_model_len=max_len, num_kv_blocks=blocks, use_cuda_graphs=plan.use_cuda_graphs,
         predicted_bytes=plan.expected_measured_bytes,
     )

@@ -10,6 +10,8 @@ from localllm.errors import LocalLLMError
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from localllm.cli import _add_kv_cache_args
+
     p = sub.add_parser(
         "chat",
         help="chat in a terminal UI: tabs that generate at the same time",
@@ -21,6 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--quant", default=None, help="online weight quantization: int8, fp8, awq, rtn4 (default: the plan's)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: the best available)")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit per sequence")
+    _add_kv_cache_args(p)
     p.add_argument("--chats", type=int, default=4, help="chats to plan the KV cache for (default 4)")
     p.add_argument("--endpoint", default=None, help="an OpenAI-compatible server URL instead of the local engine")
     p.add_argument("--api-key", default=None, help="bearer token for --endpoint")
@@ -46,7 +49,8 @@ def _local_factory(args: argparse.Namespace) -> Any:
         from localllm.engine.engine import EngineConfig, LLMEngine
 
         config = EngineConfig(model=model, dtype=args.dtype, quant=args.quant, device=args.device,
-                              max_model_len=args.max_model_len, chats=max(1, args.chats))
+                              max_model_len=args.max_model_len, chats=max(1, args.chats),
+                              kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales)
         return AsyncEngine(LLMEngine(config, progress=progress))
 
     return build

@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--raw", action="store_true", help="plain completion, no chat template")
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--json", action="store_true", help="print token ids, text and timings as JSON")
+    p.add_argument("--json-schema", metavar="FILE", default=None,
+                   help="constrain the reply to JSON that validates against this JSON schema file")
     p.add_argument("--endpoint", default=None, help="an OpenAI-compatible server URL instead of the local engine")
     p.add_argument("--api-key", default=None)
     _add_sampling_args(p)

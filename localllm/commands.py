@@ -50,10 +50,30 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> Any:
 def sampling_from_args(args: argparse.Namespace, default_temperature: float) -> Any:
     from localllm.engine.sequence import SamplingParams
 
+    schema_file = getattr(args, "json_schema", None)
     return SamplingParams(
         temperature=default_temperature if args.temperature is None else args.temperature,
         top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, max_tokens=args.max_tokens, seed=args.seed,
+        guided_json=read_json_schema(schema_file) if schema_file else None,
     )
+
+
+def read_json_schema(path: str) -> dict[str, Any]:
+    """A JSON schema file for ``--json-schema``; whether it compiles is the grammar engine's
+    to say, when the request is added."""
+    from pathlib import Path
+
+    from localllm.errors import LocalLLMError
+
+    try:
+        schema = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise LocalLLMError(f"--json-schema {path}: cannot be read ({e.strerror or e})") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise LocalLLMError(f"--json-schema {path}: not valid JSON ({e})") from None
+    if not isinstance(schema, dict):
+        raise LocalLLMError(f"--json-schema {path}: a JSON schema is an object, this file holds something else")
+    return schema
 
 
 def run(args: argparse.Namespace) -> int:

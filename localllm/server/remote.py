@@ -277,6 +277,12 @@ class RemoteEngine:
                 body[name] = value
         if p.stop_token_ids:
             body["stop_token_ids"] = p.stop_token_ids
+        if p.guided_json is not None:  # OpenAI's form, which every server here takes
+            schema = json.loads(p.guided_json) if isinstance(p.guided_json, str) else p.guided_json
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "schema", "schema": schema}}
+        for name in ("guided_regex", "guided_choice", "guided_grammar"):  # vLLM's and localllm's
+            if getattr(p, name) is not None:
+                body[name] = getattr(p, name)
         return body
 
     async def _pump(self, chat: bool, body: dict[str, Any], queue: asyncio.Queue[tuple[str, Any]]) -> None:

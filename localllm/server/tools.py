@@ -59,7 +59,8 @@ def tool_format(template: str | None) -> ToolFormat | None:
         return None
     if "<tool_call>" in template:
         return HERMES
-    if '"parameters"' in template and ("<|eot_id|>" in template or "<|python_tag|>" in template):
+    unescaped = template.replace('\\"', '"')  # the quotes may sit inside a double-quoted jinja string
+    if '"parameters"' in unescaped and ("<|eot_id|>" in template or "<|python_tag|>" in template):
         return LLAMA3_JSON
     return None
 
@@ -358,6 +359,11 @@ class ToolCallParser:
             self._depth, self._in_str, self._esc = 0, False, False
             return True
         if self._state == "args":
+            if not self.calls[-1].arguments:  # blanks before the value are no part of it
+                buf = buf.lstrip()
+                if not buf:
+                    self._buf = ""
+                    return False
             end = self._scan(buf)
             piece = buf if end is None else buf[:end]
             if piece:

@@ -203,14 +203,27 @@ def mask_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
                                             words * 4, len(seqs))
     vocab = logits.shape[-1]
     if logits.device.type == "cpu":
-        bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
-        allowed = torch.from_numpy(np.ascontiguousarray(bits)).view(torch.bool)
+        allowed = unpack_bitmask(bitmask, vocab)
     else:  # ship the packed mask (32x smaller) and unpack on the device
-        shifts = _shifts.get(logits.device)
-        if shifts is None:
-            shifts = _shifts[logits.device] = torch.arange(32, dtype=torch.int32, device=logits.device)
-        packed = torch.from_numpy(bitmask).to(logits.device, non_blocking=True)
-        allowed = ((packed[:, :, None] >> shifts) & 1).view(len(seqs), -1)[:, :vocab].bool()
-    if allowed.shape[1] < vocab:  # logits wider than the mask: those ids are never allowed
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+        allowed = unpack_bitmask_torch(torch.from_numpy(bitmask).to(logits.device, non_blocking=True), vocab)
     return logits.masked_fill_(allowed.logical_not_(), float("-inf"))
+
+
+def unpack_bitmask(bitmask: np.ndarray, vocab: int) -> torch.Tensor:
+    """[rows, words] int32 (bit j of word w = token 32w + j) -> [rows, vocab] bool; ids past
+    the mask's width are never allowed."""
+    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    if bits.shape[1] < vocab:
+        bits = np.pad(bits, ((0, 0), (0, vocab - bits.shape[1])))
+    return torch.from_numpy(np.ascontiguousarray(bits)).view(torch.bool)
+
+
+def unpack_bitmask_torch(packed: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``unpack_bitmask`` with tensor ops, for a mask already on an accelerator."""
+    shifts = _shifts.get(packed.device)
+    if shifts is None:
+        shifts = _shifts[packed.device] = torch.arange(32, dtype=torch.int32, device=packed.device)
+    bits = ((packed[:, :, None] >> shifts) & 1).view(packed.shape[0], -1)[:, :vocab].bool()
+    if bits.shape[1] < vocab:
+        bits = torch.nn.functional.pad(bits, (0, vocab - bits.shape[1]), value=False)
+    return bits

@@ -152,3 +152,21 @@ def test_run_json_schema_cli(default_model_path: Path, tmp_path: Path) -> None:
     (tmp_path / "broken.json").write_text("{")
     with pytest.raises(LocalLLMError, match="not valid JSON"):
         read_json_schema(str(tmp_path / "broken.json"))
+
+
+def test_the_device_unpack_agrees_with_the_host_one() -> None:
+    import numpy as np
+
+    from localllm.engine.guided import unpack_bitmask, unpack_bitmask_torch
+
+    rng = np.random.default_rng(0)
+    bitmask = rng.integers(-(2**31), 2**31, size=(5, 7), dtype=np.int64).astype(np.int32)
+    bitmask[0] = -1  # all allowed: the sign bit is a token too
+    bitmask[1] = 0
+    for vocab in (7 * 32, 7 * 32 - 5, 7 * 32 + 9):  # exact, narrower, wider than the mask
+        host = unpack_bitmask(bitmask, vocab)
+        assert torch.equal(host, unpack_bitmask_torch(torch.from_numpy(bitmask), vocab))
+        assert host.shape == (5, vocab) and bool(host[0, : 7 * 32].all()) and not bool(host[1].any())
+        assert not bool(host[:, 7 * 32 :].any())
+        token = 3 * 32 + 31  # bit 31 of word 3
+        assert bool(host[2, token]) == bool((int(bitmask[2, 3]) >> 31) & 1)

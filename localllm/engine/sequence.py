@@ -17,6 +17,8 @@ from localllm.tokenizer import IncrementalDetokenizer
 if TYPE_CHECKING:
     from localllm.engine.guided import GrammarMatcher
 
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")  # see engine/guided.py
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -66,8 +68,7 @@ class SamplingParams:
         self._check_guided()
 
     def _check_guided(self) -> None:
-        named = [f for f in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
-                 if getattr(self, f) is not None]
+        named = [f for f in GUIDED_FIELDS if getattr(self, f) is not None]
         if len(named) > 1:
             raise LocalLLMError(f"bad sampling parameter: {' and '.join(named)} exclude each other; set one")
         if isinstance(self.guided_json, str):
@@ -85,8 +86,7 @@ class SamplingParams:
 
     @property
     def guided(self) -> bool:
-        return (self.guided_json is not None or self.guided_regex is not None or self.guided_choice is not None
-                or self.guided_grammar is not None)
+        return any(getattr(self, f) is not None for f in GUIDED_FIELDS)
 
     @property
     def greedy(self) -> bool:

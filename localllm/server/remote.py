@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from localllm.engine.engine import CompletionOutput, EngineStats, Prompt, RequestOutput
-from localllm.engine.sequence import RequestMetrics, SamplingParams
+from localllm.engine.sequence import GUIDED_FIELDS, RequestMetrics, SamplingParams
 from localllm.errors import LocalLLMError
 
 UNKNOWN_TOKEN = -1
@@ -280,7 +280,7 @@ class RemoteEngine:
         if p.guided_json is not None:  # OpenAI's form, which every server here takes
             schema = json.loads(p.guided_json) if isinstance(p.guided_json, str) else p.guided_json
             body["response_format"] = {"type": "json_schema", "json_schema": {"name": "schema", "schema": schema}}
-        for name in ("guided_regex", "guided_choice", "guided_grammar"):  # vLLM's and localllm's
+        for name in GUIDED_FIELDS[1:]:  # vLLM's names, which localllm serve takes too
             if getattr(p, name) is not None:
                 body[name] = getattr(p, name)
         return body

@@ -260,9 +260,10 @@ class ToolCallParser:
     text reproduce the reply (blank text between calls aside), and a call's argument
     fragments concatenated are its whole ``arguments``, so a stream and a whole message agree.
 
-    States: ``text`` (content, watching for a call to open), ``head`` (buffering up to the
-    function's name), ``args`` (streaming the arguments value, tracking JSON nesting to see
-    where it ends), ``after`` (skipping to the call's close), ``done`` (one call was allowed)."""
+    States: ``text`` (content, watching for a call to open), ``plain`` (content to the end:
+    a Llama reply that did not begin as a call), ``head`` (buffering up to the function's
+    name), ``args`` (streaming the arguments value, tracking JSON nesting to see where it
+    ends), ``after`` (skipping to the call's close), ``done`` (the one call allowed is in)."""
 
     def __init__(self, fmt: ToolFormat, parallel: bool = True) -> None:
         self.fmt = fmt
@@ -353,7 +354,12 @@ class ToolCallParser:
                     self._fallback(out)
                     return True
                 return False
-            self._start_call(out, json.loads(f'"{m.group(1)}"'))
+            try:
+                name = json.loads(f'"{m.group(1)}"')
+            except ValueError:  # a broken escape in the name: let the whole-call path judge it
+                self._fallback(out)
+                return True
+            self._start_call(out, name)
             self._buf = buf[m.end() :]
             self._state = "args"
             self._depth, self._in_str, self._esc = 0, False, False

@@ -193,3 +193,23 @@ def test_bad_shapes_are_422(served: Served) -> None:
         r = httpx.post(f"{served.base}/chat/completions",
                        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, **body}, timeout=60)
         assert r.status_code == 422 and r.json()["error"]["param"] == param, r.text
+
+
+async def test_remote_engine_sends_the_guided_fields(served: Served) -> None:
+    from localllm.engine.sequence import SamplingParams
+    from localllm.server.remote import RemoteEngine
+
+    remote = RemoteEngine(served.base)
+    origin = SCHEMA["properties"]["origin"]
+    try:
+        for params, check in [
+            (SamplingParams(temperature=0.8, seed=4, max_tokens=60, guided_json=origin),
+             lambda t: jsonschema.validate(json.loads(t), origin)),
+            (SamplingParams(temperature=0.8, seed=4, max_tokens=10, guided_choice=["left", "right"]),
+             lambda t: t in ("left", "right") or pytest.fail(t)),
+        ]:
+            outs = [o async for o in remote.generate([{"role": "user", "content": "Where?"}], params)]
+            check(outs[-1].outputs[0].text)
+    finally:
+        await remote.aclose()
+        remote.shutdown()

@@ -119,6 +119,8 @@ def _register_run(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--json", action="store_true",
                    help="print token ids, text, sampling, timings, memory and the plan as JSON")
+    p.add_argument("--json-schema", metavar="FILE", default=None,
+                   help="constrain the reply to JSON that validates against this JSON schema file")
     p.add_argument("--endpoint", default=None, help="an OpenAI-compatible server URL instead of the local engine")
     p.add_argument("--api-key", default=None, help="bearer token for --endpoint")
     _add_sampling_args(p)

@@ -60,7 +60,27 @@ def sampling_from_args(args: argparse.Namespace, model_defaults: Mapping[str, fl
     from localllm.engine.sequence import SamplingParams
 
     values = {"temperature": 0.0 if args.raw else 0.7, **model_defaults, **_given_sampling(args)}
-    return SamplingParams(**values, max_tokens=args.max_tokens, seed=args.seed)
+    schema_file = getattr(args, "json_schema", None)
+    return SamplingParams(**values, max_tokens=args.max_tokens, seed=args.seed,
+                          guided_json=read_json_schema(schema_file) if schema_file else None)
+
+
+def read_json_schema(path: str) -> dict[str, Any]:
+    """A JSON schema file for ``--json-schema``; whether it compiles is the grammar engine's
+    to say, when the request is added."""
+    from pathlib import Path
+
+    from localllm.errors import LocalLLMError
+
+    try:
+        schema = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise LocalLLMError(f"--json-schema {path}: cannot be read ({e.strerror or e})") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise LocalLLMError(f"--json-schema {path}: not valid JSON ({e})") from None
+    if not isinstance(schema, dict):
+        raise LocalLLMError(f"--json-schema {path}: a JSON schema is an object, this file holds something else")
+    return schema
 
 
 def run(args: argparse.Namespace) -> int:

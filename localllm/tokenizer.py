@@ -22,7 +22,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from localllm.errors import LocalLLMError
 
-Message = dict[str, str]
+Message = dict[str, Any]  # role and content, plus tool_calls / tool_call_id in tool conversations
 
 # Used only when a model ships no template at all: ChatML where the vocabulary has its tokens,
 # else plain "Role: text" turns, which any model can at least continue.
@@ -173,8 +173,24 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
-        """Renders in a sandbox: a template is code shipped by whoever published the model."""
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the chat template reads a ``tools`` variable, which is how HF hands it the
+        tool list; a template without one cannot tell the model about tools."""
+        from jinja2 import TemplateSyntaxError, meta
+
+        try:
+            ast = ImmutableSandboxedEnvironment().parse(self.chat_template or CHATML_TEMPLATE)
+        except TemplateSyntaxError:
+            return False
+        return "tools" in meta.find_undeclared_variables(ast)
+
+    def apply_chat_template(
+        self, messages: Sequence[Message], add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """Renders in a sandbox: a template is code shipped by whoever published the model.
+        ``tools`` (OpenAI's shape) reach the template as HF passes them."""
         if self._template is None:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
@@ -190,14 +206,18 @@ class Tokenizer:
             return self._template.render(
                 messages=list(messages),
                 add_generation_prompt=add_generation_prompt,
+                tools=tools,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
             )
         except TemplateError as e:
             raise LocalLLMError(f"the model's chat template rejected the conversation: {e}") from e
 
-    def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
-        return self.encode_rendered(self.apply_chat_template(messages, add_generation_prompt))
+    def encode_chat(
+        self, messages: Sequence[Message], add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        return self.encode_rendered(self.apply_chat_template(messages, add_generation_prompt, tools))
 
     def encode_rendered(self, text: str) -> list[int]:
         """Ids of a rendered chat prompt. Most templates write the BOS token themselves; one that

@@ -70,10 +70,13 @@ class AsyncEngine:
         ``finished`` set. Breaking out of the loop, or cancelling the task, aborts the request."""
         if self._stopped.is_set():
             raise EngineDeadError("the engine has stopped")
+        params = params or SamplingParams()
+        if params.guided:  # compile here, off the engine thread; the engine then finds it cached
+            await asyncio.to_thread(self.engine.guided.compile, params)
         request_id = request_id or f"async-{next(self._ids)}"
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
-        self._inbox.put(("add", (request_id, prompt, params or SamplingParams())))
+        self._inbox.put(("add", (request_id, prompt, params)))
         finished = False
         try:
             while True:

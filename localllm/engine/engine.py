@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from localllm.engine.block_manager import BlockManager
+from localllm.engine.guided import GrammarCompiler
 from localllm.engine.model_runner import ModelRunner
 from localllm.engine.scheduler import Scheduler
 from localllm.engine.sequence import RequestMetrics, SamplingParams, Sequence, SequenceStatus
@@ -142,6 +143,7 @@ class LLMEngine:
             config.max_num_batched_tokens or self.plan.max_num_batched_tokens,
             config.max_num_seqs or self.plan.max_num_seqs,
         )
+        self.guided = GrammarCompiler(self.tokenizer, loaded.model.config.vocab_size)
         self.requests: dict[str, Sequence] = {}
         self._prompt_text: dict[str, str | None] = {}
         self._ids = itertools.count()
@@ -186,9 +188,10 @@ class LLMEngine:
                 f"the prompt is {len(ids)} tokens but the context limit is {limit}; "
                 "shorten it or start with a larger --max-model-len"
             )
+        grammar = self.guided.matcher(params) if params.guided else None  # a cache hit from AsyncEngine
         seq = Sequence(
             request_id, ids, params, IncrementalDetokenizer(self.tokenizer),
-            () if params.ignore_eos else self.tokenizer.eos_token_ids, limit,
+            () if params.ignore_eos else self.tokenizer.eos_token_ids, limit, grammar=grammar,
         )
         self._prompt_text[request_id] = text
         self.requests[request_id] = seq
@@ -243,6 +246,7 @@ class LLMEngine:
             m.inter_token_latencies.append(now - m.last_token_time)
         m.last_token_time = now
         seq.token_ids.append(token)
+        grammar_done = seq.grammar is not None and seq.grammar.accept(token)
         if sampled.logprobs is not None:
             seq.cumulative_logprob += sampled.logprobs[row]
             if seq.params.logprobs is not None:
@@ -259,7 +263,9 @@ class LLMEngine:
             if params.stop:
                 self._check_stop_strings(seq)
         if seq.finish_reason is None:
-            if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+            if grammar_done:  # the grammar is complete: nothing but EOS could follow
+                seq.finish_reason = "stop"
+            elif params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
                 seq.finish_reason = "length"
             elif seq.num_tokens >= seq.max_model_len:
                 seq.finish_reason = "length"

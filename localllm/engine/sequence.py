@@ -3,14 +3,21 @@ its timings. Everything the scheduler, block manager and runner read lives here.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from localllm.errors import LocalLLMError
 from localllm.tokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from localllm.engine.guided import GrammarMatcher
+
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")  # see engine/guided.py
 
 
 @dataclass(slots=True)
@@ -32,6 +39,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # structured output (see engine/guided.py): at most one of these
+    guided_json: dict[str, Any] | str | None = None  # a JSON schema
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None  # Lark, llguidance's dialect
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -53,6 +65,28 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise LocalLLMError(f"bad sampling parameter: {message}")
+        self._check_guided()
+
+    def _check_guided(self) -> None:
+        named = [f for f in GUIDED_FIELDS if getattr(self, f) is not None]
+        if len(named) > 1:
+            raise LocalLLMError(f"bad sampling parameter: {' and '.join(named)} exclude each other; set one")
+        if isinstance(self.guided_json, str):
+            try:
+                json.loads(self.guided_json)
+            except ValueError as e:
+                raise LocalLLMError(f"bad sampling parameter: guided_json is not valid JSON ({e})") from None
+        elif self.guided_json is not None and not isinstance(self.guided_json, dict):
+            raise LocalLLMError("bad sampling parameter: guided_json must be a JSON schema (an object)")
+        if self.guided_choice is not None and (
+            not isinstance(self.guided_choice, (list, tuple)) or not self.guided_choice
+            or not all(isinstance(c, str) and c for c in self.guided_choice)
+        ):
+            raise LocalLLMError("bad sampling parameter: guided_choice must be a non-empty list of non-empty strings")
+
+    @property
+    def guided(self) -> bool:
+        return any(getattr(self, f) is not None for f in GUIDED_FIELDS)
 
     @property
     def greedy(self) -> bool:
@@ -106,6 +140,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     generator: torch.Generator | None = None
+    grammar: GrammarMatcher | None = None  # structured output: the request's place in its grammar
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, float]] = field(default_factory=list)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))

@@ -33,6 +33,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from localllm.engine.async_engine import AsyncEngine
 from localllm.engine.engine import RequestOutput
+from localllm.engine.guided import GrammarError
 from localllm.engine.sequence import SamplingParams
 from localllm.errors import LocalLLMError
 from localllm.server.cli import bind_socket
@@ -47,6 +48,8 @@ from localllm.server.protocol import (
     parse_chat,
     parse_completion,
 )
+from localllm.server.structured import parse_guided
+from localllm.server.tools import ToolCalling, ToolCallParser, assistant_message, parse_tools, tool_messages
 
 MAX_BODY_BYTES = 4 * 2**20
 # A client whose body is over the limit is still read up to this much, so that it gets the
@@ -129,7 +132,9 @@ async def _many(engine: AsyncEngine, jobs: list[Job]) -> AsyncIterator[tuple[int
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _prompt_ids(state: _State, prompt: str | list[int] | list[dict[str, str]]) -> list[int]:
+async def _prompt_ids(
+    state: _State, prompt: str | list[int] | list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+) -> list[int]:
     tokenizer = state.engine.tokenizer
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
         vocab = tokenizer.vocab_size
@@ -142,7 +147,7 @@ async def _prompt_ids(state: _State, prompt: str | list[int] | list[dict[str, st
         # a long prompt takes milliseconds to tokenize: keep it off the event loop that streams
         if isinstance(prompt, str):
             return await asyncio.to_thread(tokenizer.encode, prompt)
-        return await asyncio.to_thread(tokenizer.encode_chat, prompt)  # type: ignore[arg-type]
+        return await asyncio.to_thread(tokenizer.encode_chat, prompt, True, tools)  # type: ignore[arg-type]
     except LocalLLMError as e:
         raise APIError(400, str(e), param="messages" if isinstance(prompt, list) else "prompt") from None
 
@@ -166,6 +171,34 @@ def _jobs(state: _State, req: GenerationRequest, prompts: list[list[int]], param
                 raise APIError(422, str(e), code="invalid_value") from None
             jobs.append((ids, params, f"{base_id}-{p * req.n + i}"))
     return jobs
+
+
+async def _chat_inputs(state: _State, body: Any) -> tuple[ChatRequest, list[int], ToolCalling | None, str | None]:
+    """The chat request with its structured-output and tool fields read, and its prompt
+    rendered with the tools; the last item names the field that asked for a grammar."""
+    req = parse_chat(body, state.sampling_defaults)
+    guided = parse_guided(body)
+    calling = parse_tools(body, state.engine.tokenizer)
+    tool_messages(body["messages"], req.messages)
+    if calling is not None and calling.grammar is not None:
+        if guided.param is not None:
+            raise APIError(400, f"'{guided.param}' and a forced 'tool_choice' both constrain the output; send one",
+                           param=guided.param, code="invalid_value")
+        guided.sampling, guided.param = {"guided_grammar": calling.grammar}, "tools"
+    req.sampling.update(guided.sampling)
+    ids = await _prompt_ids(state, req.messages, calling.tools if calling is not None else None)
+    return req, ids, calling, guided.param
+
+
+async def _compile_grammar(state: _State, jobs: list[Job], param: str | None) -> None:
+    """Compiles the request's grammar on a worker thread before anything is generated, so
+    that a bad schema is a 400 (the engine thread then finds it cached)."""
+    if param is None:
+        return
+    try:
+        await asyncio.to_thread(state.engine.engine.guided.compile, jobs[0][1])
+    except GrammarError as e:
+        raise APIError(400, f"'{param}': {e}", param=param, code="invalid_value") from None
 
 
 def _usage(prompts: list[list[int]], n: int, finals: list[RequestOutput | None]) -> dict[str, Any]:
@@ -376,30 +409,35 @@ def create_app(
         return Response(text, media_type="text/plain; version=0.0.4")
 
     async def chat_completions(request: Request) -> Response:
-        req = parse_chat(await _read_json(request, max_body_bytes), state.sampling_defaults)
-        ids = await _prompt_ids(state, req.messages)
+        req, ids, calling, grammar_param = await _chat_inputs(state, await _read_json(request, max_body_bytes))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         jobs = _jobs(state, req, [ids], "messages", rid)
+        await _compile_grammar(state, jobs, grammar_param)
         if req.stream:
-            return _EventStream(_chat_stream(state, req, [ids], jobs, rid))  # type: ignore[return-value]
+            return _EventStream(_chat_stream(state, req, [ids], jobs, rid, calling))  # type: ignore[return-value]
         finals = await _finals(request, state, jobs)
         choices = []
         for k, out in enumerate(finals):
             assert out is not None
             c = out.outputs[0]
+            message, finish_reason = assistant_message(calling, c.text, c.finish_reason)
             choices.append({
-                "index": k, "message": {"role": "assistant", "content": c.text},
+                "index": k, "message": message,
                 "logprobs": _chat_logprobs(state, out, 0, len(c.token_ids), req.top_logprobs) if req.logprobs else None,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                "finish_reason": finish_reason, "stop_reason": c.stop_reason,
             })
         return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()),
                              "model": state.model, "choices": choices, "usage": _usage([ids], req.n, finals)})
 
     async def completions(request: Request) -> Response:
-        req = parse_completion(await _read_json(request, max_body_bytes), state.sampling_defaults)
+        body = await _read_json(request, max_body_bytes)
+        req = parse_completion(body, state.sampling_defaults)
+        guided = parse_guided(body)
+        req.sampling.update(guided.sampling)
         prompts = [await _prompt_ids(state, p) for p in req.prompts]
         rid = f"cmpl-{uuid.uuid4().hex}"
         jobs = _jobs(state, req, prompts, "prompt", rid)
+        await _compile_grammar(state, jobs, guided.param)
         if req.stream:
             return _EventStream(_completion_stream(state, req, prompts, jobs, rid))  # type: ignore[return-value]
         finals = await _finals(request, state, jobs)
@@ -466,12 +504,14 @@ async def _finals(request: Request, state: _State, jobs: list[Job]) -> list[Requ
 
 async def _sse_stream(
     state: _State, include_usage: bool, n: int, prompts: list[list[int]], jobs: list[Job], base: dict[str, Any],
-    choice_fields: Callable[[int, RequestOutput, int, int], dict[str, Any]], first: Iterable[dict[str, Any]] = (),
+    choice_fields: Callable[[int, RequestOutput, int, int], dict[str, Any] | None],
+    first: Iterable[dict[str, Any]] = (),
 ) -> AsyncIterator[bytes]:
     """The SSE body of both endpoints: the ``first`` choices, then one chunk per text delta of
-    job k with ``choice_fields(k, out, first_token, end_token)`` (the tokens it covers) and
-    one when a job finishes, then usage when asked, then [DONE]. An engine error after the
-    headers are out is reported in-band, as vLLM does."""
+    job k with ``choice_fields(k, out, first_token, end_token)`` (the tokens it covers; None
+    holds the delta back, a "finish_reason" there overrides the engine's) and one when a job
+    finishes, then usage when asked, then [DONE]. An engine error after the headers are out
+    is reported in-band, as vLLM does."""
     extra = {"usage": None} if include_usage else {}
     for choice in first:
         yield _sse({**base, "choices": [choice], **extra})
@@ -486,8 +526,10 @@ async def _sse_stream(
             elif not c.delta_text:
                 continue  # text held back (a possible stop string): nothing to send yet
             end = len(c.token_ids)
-            choice = {"index": k, **choice_fields(k, out, sent_tokens[k], end),
-                      "finish_reason": c.finish_reason if out.finished else None}
+            fields = choice_fields(k, out, sent_tokens[k], end)
+            if fields is None:
+                continue
+            choice = {"index": k, "finish_reason": c.finish_reason if out.finished else None, **fields}
             if out.finished:
                 choice["stop_reason"] = c.stop_reason
             sent_tokens[k] = end
@@ -503,17 +545,32 @@ async def _sse_stream(
 
 def _chat_stream(
     state: _State, req: ChatRequest, prompts: list[list[int]], jobs: list[Job], rid: str,
+    calling: ToolCalling | None = None,
 ) -> AsyncIterator[bytes]:
     base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": state.model}
+    parsers = [calling.parser() for _ in jobs] if calling is not None else None
 
-    def fields(k: int, out: RequestOutput, start: int, end: int) -> dict[str, Any]:
+    def fields(k: int, out: RequestOutput, start: int, end: int) -> dict[str, Any] | None:
         text = out.outputs[0].delta_text
+        if parsers is not None:
+            return _tool_fields(parsers[k], out, text)
         return {"delta": {"content": text} if text else {},
                 "logprobs": _chat_logprobs(state, out, start, end, req.top_logprobs) if req.logprobs else None}
 
     roles = [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
              for k in range(len(jobs))]
     return _sse_stream(state, req.include_usage, req.n, prompts, jobs, base, fields, roles)
+
+
+def _tool_fields(parser: ToolCallParser, out: RequestOutput, text: str) -> dict[str, Any] | None:
+    """A chat chunk's fields with the reply read for tool calls; None while text is held."""
+    delta = parser.read(text, out.finished)
+    if not out.finished and not delta.content and not delta.calls:
+        return None
+    fields: dict[str, Any] = {"delta": delta.to_openai(), "logprobs": None}
+    if out.finished and parser.calls and out.outputs[0].finish_reason == "stop":
+        fields["finish_reason"] = "tool_calls"
+    return fields
 
 
 def _completion_stream(

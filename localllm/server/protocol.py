@@ -157,7 +157,7 @@ class GenerationRequest:
 
 @dataclass(slots=True)
 class ChatRequest(GenerationRequest):
-    messages: list[dict[str, str]] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
     logprobs: bool = False
     top_logprobs: int = 0
 
@@ -218,7 +218,7 @@ def _common(
             "max_tokens": max_tokens, "sampling": sampling}
 
 
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 def _message(i: int, m: Any) -> dict[str, str]:
@@ -229,7 +229,7 @@ def _message(i: int, m: Any) -> dict[str, str]:
     if not isinstance(role, str):
         raise _invalid(f"{where}.role", "required, a string")
     if role not in _ROLES:
-        raise APIError(400, f"'{where}.role': {role!r} is not supported (use system, user or assistant)",
+        raise APIError(400, f"'{where}.role': {role!r} is not supported (use system, user, assistant or tool)",
                        param=f"{where}.role", code="unsupported")
     content = m.get("content")
     if content is None and role == "assistant":
@@ -260,15 +260,7 @@ def parse_chat(body: Any, defaults: Mapping[str, float | int] = _NO_DEFAULTS) ->
     if not messages:
         raise _invalid("messages", "must hold at least one message")
     parsed = [_message(i, m) for i, m in enumerate(messages)]
-    if body.get("tools"):
-        raise APIError(400, "'tools': tool calling is not supported", param="tools", code="unsupported")
-    fmt = body.get("response_format")
-    if fmt is not None:
-        if not isinstance(fmt, dict):
-            raise _invalid("response_format", f"expected an object, got {_kind(fmt)}")
-        if fmt.get("type", "text") != "text":
-            raise APIError(400, f"'response_format': type {fmt.get('type')!r} is not supported (text only)",
-                           param="response_format", code="unsupported")
+    # tools and response_format: server/tools.py and server/structured.py
     logprobs = _bool(body, "logprobs", False)
     top_logprobs = _int(body, "top_logprobs", 0, lo=0, hi=MAX_TOP_LOGPROBS)
     assert top_logprobs is not None

@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from localllm.engine.engine import CompletionOutput, EngineStats, Prompt, RequestOutput
-from localllm.engine.sequence import RequestMetrics, SamplingParams
+from localllm.engine.sequence import GUIDED_FIELDS, RequestMetrics, SamplingParams
 from localllm.errors import LocalLLMError
 
 UNKNOWN_TOKEN = -1
@@ -281,6 +281,12 @@ class RemoteEngine:
                 body[name] = value
         if p.stop_token_ids:
             body["stop_token_ids"] = p.stop_token_ids
+        if p.guided_json is not None:  # OpenAI's form, which every server here takes
+            schema = json.loads(p.guided_json) if isinstance(p.guided_json, str) else p.guided_json
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "schema", "schema": schema}}
+        for name in GUIDED_FIELDS[1:]:  # vLLM's names, which localllm serve takes too
+            if getattr(p, name) is not None:
+                body[name] = getattr(p, name)
         return body
 
     async def _pump(self, chat: bool, body: dict[str, Any], queue: asyncio.Queue[tuple[str, Any]]) -> None:

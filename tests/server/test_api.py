@@ -261,7 +261,7 @@ BAD_CHAT = [
     (_chat(ignore_eos="no"), 422),
     (_chat(stop_token_ids=["a"]), 422),
     (_chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400),
-    (_chat(response_format={"type": "json_object"}), 400),
+    (_chat(response_format={"type": "yaml"}), 400),
     (_chat(best_of=3), 400),
 ]
 

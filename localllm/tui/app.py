@@ -20,6 +20,7 @@ from rich.text import Text
 from textual import work
 from textual.app import App
 from textual.binding import Binding, BindingType
+from textual.css.query import NoMatches
 from textual.theme import Theme
 from textual.widgets import Footer, TabbedContent, TabPane
 
@@ -60,6 +61,7 @@ T = TypeVar("T")
 
 STATUS_HZ = 4  # status figures change slowly; 4 repaints a second are plenty and cheap
 FILL_WARN, FILL_FULL = 0.8, 0.95  # the context gauge turns yellow, then red
+TABS = Binding.Group("Tabs", compact=True)
 
 
 def _goto_bindings() -> list[Binding]:
@@ -80,14 +82,16 @@ class ChatApp(App[None]):
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("ctrl+t", "new_tab", "New", id="tab.new", priority=True),
         Binding("ctrl+w", "close_tab", "Close", id="tab.close", priority=True),
-        Binding("ctrl+pageup,ctrl+shift+tab,alt+left", "previous_tab", "Tab", id="tab.previous",
-                key_display="alt+←", priority=True),
-        Binding("ctrl+pagedown,ctrl+tab,alt+right", "next_tab", "Tab", id="tab.next", key_display="→",
-                priority=True),
+        Binding("ctrl+pageup,ctrl+shift+tab,alt+left", "previous_tab", "Previous tab", id="tab.previous",
+                key_display="alt+←", priority=True, group=TABS),
+        Binding("ctrl+pagedown,ctrl+tab,alt+right", "next_tab", "Next tab", id="tab.next", key_display="→",
+                priority=True, group=TABS),
         *_goto_bindings(),
+        # Off the footer, which must fit 80 columns: the help, the palette and the system
+        # prompt's own header name them.
         Binding("f2", "rename_tab", "Rename", id="tab.rename", show=False),
-        Binding("ctrl+o", "history", "History", id="app.history"),
-        Binding("ctrl+s", "settings", "Settings", id="chat.settings"),
+        Binding("ctrl+o", "history", "History", id="app.history", show=False),
+        Binding("ctrl+s", "settings", "Settings", id="chat.settings", show=False),
         Binding("f1", "help_screen", "Help", id="app.help"),
         Binding("ctrl+q", "quit", "Quit", id="app.quit", priority=True),
     ]
@@ -399,7 +403,10 @@ class ChatApp(App[None]):
 
     @property
     def active_chat(self) -> ChatPane | None:
-        pane = self.tabs.active_pane
+        try:
+            pane = self.tabs.active_pane
+        except NoMatches:  # shutting down: the tabs are gone
+            return None
         if pane is None:
             return None
         found = pane.query(ChatPane)
@@ -733,7 +740,7 @@ class ChatApp(App[None]):
         chat = self.active_chat
         remote = self.endpoint is not None
         sep = (" │ ", "dim")
-        text.append(f" {s.model}", style="bold")
+        text.append(f" {_short_model(s.model)}", style="bold")
         if remote:
             text.append(f"  {self.endpoint}")
         else:
@@ -773,6 +780,11 @@ class ChatApp(App[None]):
         except Exception:  # noqa: BLE001 - during shutdown the bar may be gone
             return
         self._paint_tab_labels()
+
+
+def _short_model(name: str) -> str:
+    """A model given as a path shows as its file or folder name: the status bar is one line."""
+    return Path(name).name if name.startswith(("/", "~", ".")) else name
 
 
 def _any_local_model() -> bool:

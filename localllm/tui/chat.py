@@ -252,7 +252,18 @@ class ChatPane(Vertical):
         return {**self.host.base_params(), **self.params}
 
     def _changed(self) -> None:
+        self.refresh_bindings()  # the footer shows Stop, Regenerate and Go on only when they apply
         self.post_message(self.Changed(self))
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "stop":
+            return self.generating or self.editing is not None
+        if action == "regenerate":
+            return bool(self.turns) and not self.generating
+        if action == "continue":
+            return (not self.generating and bool(self.turns) and self.turns[-1].role == "assistant"
+                    and self.turns[-1].finish_reason in CONTINUABLE)
+        return True
 
     # ---- the context window ----
 
@@ -600,6 +611,7 @@ class ChatPane(Vertical):
             return
         self._end_edit_marks()
         self.editing = index
+        self.refresh_bindings()
         self.views[index].add_class("-editing")
         self.prompt.border_title = "editing a message: enter sends it as a new branch, esc cancels"
         self.prompt.text = self.turns[index].content
@@ -607,6 +619,7 @@ class ChatPane(Vertical):
         self.prompt.focus()
 
     def _end_edit_marks(self) -> None:
+        self.refresh_bindings()
         self.prompt.border_title = None
         for v in self.views:
             v.remove_class("-editing")

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from markdown_it import MarkdownIt
+from markdown_it.rules_core import StateCore
 from rich.text import Text
 from textual import events
 from textual.binding import Binding, BindingType
@@ -153,10 +154,20 @@ class CodeFence(MarkdownFence):
             self.query_one(".fence-header", Label).update(self._header())
 
 
+def _hard_breaks(state: StateCore) -> None:
+    # A single newline is a line break, as chat models mean it (poems, addresses, line-broken
+    # lists); CommonMark joins such lines into one. markdown-it's own "breaks" option only
+    # changes its HTML renderer, so the tokens are changed here, before Textual reads them.
+    for token in state.tokens:
+        for child in token.children or ():
+            if child.type == "softbreak":
+                child.type = "hardbreak"
+
+
 def _parser() -> MarkdownIt:
-    # breaks: a single newline is a line break, as chat models mean it (poems, addresses,
-    # line-broken lists); CommonMark would join the lines into one paragraph.
-    return MarkdownIt("gfm-like", {"breaks": True})
+    md = MarkdownIt("gfm-like")
+    md.core.ruler.push("hard_breaks", _hard_breaks)
+    return md
 
 
 class ChatMarkdown(Markdown):

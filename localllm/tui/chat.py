@@ -14,6 +14,7 @@ The pane is the only writer of its conversation's rows in the history.
 from __future__ import annotations
 
 import asyncio
+import traceback
 import uuid
 from contextlib import aclosing, suppress
 from dataclasses import dataclass, field
@@ -326,10 +327,15 @@ class ChatPane(Vertical):
         text = event.text.strip()
         limit = self.context_limit()
         if limit is not None:
-            engine = self.host.engine
-            need = self.context_used() + estimate_tokens(text, engine.tokenizer if engine else None)
+            own = self._estimate(text)
+            if own + self._reserve(limit) > limit:  # no room would help: the message alone is too long
+                event.prompt.restore(event.text)
+                await self.show_error(f"this message is about {own:,} tokens, and with room for a reply that is "
+                                      f"over the context limit of {limit:,}: shorten it")
+                return
+            need = self.context_used() + own
             if need + self._reserve(limit) > limit:
-                self.prompt.restore(event.text)  # kept until the user chooses
+                event.prompt.restore(event.text)  # kept until the user chooses
                 self.ask_for_room(text, need, limit)
                 return
         await self.send(text)
@@ -345,9 +351,7 @@ class ChatPane(Vertical):
         else:
             parent = self._last_id()
         self.prompt.recall.append(text)
-        engine = self.host.engine
-        tokens = estimate_tokens(text, engine.tokenizer if engine else None)
-        self._commit("user", text, None, {"tokens": tokens}, parent)
+        self._commit("user", text, None, {"tokens": self._estimate(text)}, parent)
         self._start()
 
     def _last_id(self) -> int | None:
@@ -551,9 +555,12 @@ class ChatPane(Vertical):
         worker.cancel()
         with suppress(WorkerCancelled, WorkerFailed, asyncio.CancelledError):
             await worker.wait()
+        # The cancelled worker keeps its CancelledError, and the worker outlives this call: it
+        # is the active_worker context of every widget mounted while it ran. The traceback's
+        # frames hold the engine; clearing them lets a model switch free the old model.
+        if worker.error is not None:
+            traceback.clear_frames(worker.error.__traceback__)
         if self._worker is worker:
-            # The cancelled worker keeps its CancelledError, whose traceback holds the frames
-            # that held the engine: dropping it lets a model switch free the old model.
             self._worker = None
 
     async def action_stop(self) -> None:

@@ -81,14 +81,14 @@ class ChatApp(App[None]):
     # delete-word.
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("ctrl+t", "new_tab", "New", id="tab.new", priority=True),
-        Binding("ctrl+w", "close_tab", "Close", id="tab.close", priority=True),
+        Binding("ctrl+w", "close_tab", "Close", id="tab.close", priority=True, show=False),
         Binding("ctrl+pageup,ctrl+shift+tab,alt+left", "previous_tab", "Previous tab", id="tab.previous",
                 key_display="alt+←", priority=True, group=TABS),
         Binding("ctrl+pagedown,ctrl+tab,alt+right", "next_tab", "Next tab", id="tab.next", key_display="→",
                 priority=True, group=TABS),
         *_goto_bindings(),
-        # Off the footer, which must fit 80 columns: the help, the palette and the system
-        # prompt's own header name them.
+        # Off the footer, which must fit 80 columns: the help and the palette name them (and
+        # the system prompt's header names ctrl+s).
         Binding("f2", "rename_tab", "Rename", id="tab.rename", show=False),
         Binding("ctrl+o", "history", "History", id="app.history", show=False),
         Binding("ctrl+s", "settings", "Settings", id="chat.settings", show=False),
@@ -669,16 +669,19 @@ class ChatApp(App[None]):
             "message.leave": "back to the prompt",
         }
 
+        listed: set[str] = set()
+
         def rows(bindings: list[BindingType]) -> list[tuple[str, str]]:
             out = []
             for b in bindings:
-                if isinstance(b, Binding) and b.id in descriptions:
+                if isinstance(b, Binding) and b.id in descriptions and b.id not in listed:
+                    listed.add(b.id)
                     out.append((self._keys_of(b), descriptions[b.id]))
             return out
 
         return [
             ("Tabs and the app", [*rows(ChatApp.BINDINGS), ("alt+1 … alt+9", "go to tab n"),
-                                  ("ctrl+p", "command palette: every command by name, themes")]),
+                                  ("^p", "command palette: every command by name, themes")]),
             ("The prompt", [*rows(PromptArea.BINDINGS), ("?", "this help (in an empty prompt)")]),
             ("The chat", rows(ChatPane.BINDINGS)),
             ("A selected message", [*rows(MessageView.BINDINGS), ("click", "copy it (a code block: just the code)")]),

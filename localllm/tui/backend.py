@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from localllm.hardware.planner import fmt_bytes, precision_label
+from localllm.hardware.planner import fmt_bytes
 from localllm.paths import config_path
 
 if sys.version_info >= (3, 11):

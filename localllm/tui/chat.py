@@ -429,7 +429,8 @@ class ChatPane(Vertical):
                       else continuation_prompt(engine.tokenizer, prompt_msgs, reply.prefix))
             self._flush_timer = self.set_interval(FRAME_S, self._flush)
             self._save_timer = self.set_interval(SAVE_S, self._save_partial)
-            async with aclosing(engine.generate(prompt, params, request_id=reply.request_id)) as outs:
+            # generate is an async generator; the engines annotate it as the iterator it is used as
+            async with aclosing(engine.generate(prompt, params, request_id=reply.request_id)) as outs:  # type: ignore[type-var]
                 async for out in outs:
                     reply.add(out)
                     self.last_tok_s = reply.tok_s
@@ -756,7 +757,7 @@ class ChatPane(Vertical):
             ]
             params = sampling_params({**self.effective_params(), "temperature": 0.0, "max_tokens": max_tokens})
             await view.write("*Summarizing for a new chat…*\n\n")
-            async with aclosing(engine.generate(prompt, params, request_id=self._request_id())) as outs:
+            async with aclosing(engine.generate(prompt, params, request_id=self._request_id())) as outs:  # type: ignore[type-var]
                 async for out in outs:
                     summary = out.outputs[0].text
                     if out.outputs[0].delta_text:

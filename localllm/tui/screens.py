@@ -10,6 +10,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from rich.table import Table
 from rich.text import Text
 from textual import on, work
 from textual.binding import Binding, BindingType
@@ -154,12 +155,13 @@ class HelpScreen(ModalScreen[None]):
             yield Label("Keys", classes="dialog-title")
             with VerticalScroll(id="keys"):
                 for title, rows in self.sections:
-                    text = Text()
-                    text.append(title + "\n", style="bold")
+                    table = Table.grid(padding=(0, 2))
+                    table.add_column(no_wrap=True, style="bold")
+                    table.add_column()
                     for keys, what in rows:
-                        text.append(f"  {keys:<22}", style="bold")
-                        text.append(f"{what}\n")
-                    yield Static(text, classes="help-section")
+                        table.add_row(keys, what)
+                    yield Label(title, classes="help-title")
+                    yield Static(table, classes="help-section")
             yield Label("esc close · ctrl+p finds every command by name", classes="hint")
 
 

@@ -36,6 +36,9 @@ class PromptArea(TextArea):
         Binding("shift+enter,ctrl+j", "newline", "Newline", id="chat.newline", key_display="^j"),
         Binding("up", "recall(-1)", "Earlier prompt", id="chat.recall_previous", show=False),
         Binding("down", "recall(1)", "Later prompt", id="chat.recall_next", show=False),
+        # The app's help key again, here only so that the footer (which lists the focused
+        # widget's keys first) names it before it runs out of width.
+        Binding("f1", "app.help_screen", "Help", id="app.help"),
     ]
     _OWN_ACTIONS = ("submit", "newline")
 

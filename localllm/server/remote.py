@@ -98,7 +98,8 @@ class RemoteEngine:
         self.endpoint = normalize_endpoint(endpoint)
         self.api_key = api_key
         self.max_model_len: int | None = None
-        self.sampling_defaults: dict[str, float | int] = {}  # what the server reports; localllm serve does
+        self.served_models: list[str] = []  # what /v1/models listed
+        self.sampling_defaults: dict[str, float | int] = {}  # the server applies its own
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._ssl = ssl.create_default_context()  # built once: it costs ~10 ms per client
         self._clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
@@ -126,6 +127,7 @@ class RemoteEngine:
                 models = [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
             except (ValueError, AttributeError):
                 models = []
+        self.served_models = [m["id"] for m in models]
         if wanted is not None:
             # not checked against the list: Ollama, for one, also answers to aliases it does not list
             entry = next((m for m in models if m["id"] == wanted), None)

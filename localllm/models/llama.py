@@ -139,7 +139,7 @@ class ModelConfig:
 
 
 def _refuse_unsupported_math(cfg: dict[str, Any], arch: str, source: str) -> None:
-    act = cfg.get("hidden_act", "silu")
+    act = cfg.get("hidden_act") or "silu"
     if act != "silu":
         raise LocalLLMError(f"{source}: hidden_act {act!r} is not supported (silu only)")
     if cfg.get("mlp_bias"):

@@ -94,6 +94,9 @@ class _Admission:
 
     def __init__(self, state: _State, num_jobs: int) -> None:
         limit = state.limits.max_waiting
+        if limit is not None and num_jobs > limit:  # no wait would help: not a 503
+            raise APIError(400, f"this request makes {num_jobs} sequences (n x prompts), more than the server's "
+                                f"--max-waiting {limit}", param="n", code="invalid_value")
         if limit is not None and state.num_waiting + num_jobs > limit:
             state.num_rejected += 1
             raise APIError(503, f"the server is busy: {state.num_waiting} requests are waiting for their first "

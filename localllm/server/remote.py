@@ -36,7 +36,7 @@ _CONNECT_TIMEOUT_S = 10.0
 # Between two chunks: a long prompt queued behind other users' prefills on a busy server can
 # take minutes before its first token.
 _READ_TIMEOUT_S = 600.0
-_BUSY_RETRIES = 5  # 503s with Retry-After waited out before the error reaches the user
+_BUSY_WAIT_S = 60.0  # how long 503s with Retry-After are waited out before the error reaches the user
 _MAX_RETRY_AFTER_S = 30.0
 
 
@@ -286,15 +286,17 @@ class RemoteEngine:
         then ("end", None); ("error", LocalLLMError) or ("aborted", None) instead on failure."""
         url = f"{self.endpoint}/{'chat/completions' if chat else 'completions'}"
         try:
-            for attempt in itertools.count():
+            waited = 0.0
+            while True:
                 async with self._client().stream("POST", url, json=body) as r:
                     # a busy server (localllm's --max-waiting) says when to come back, as OpenAI's clients heed
-                    wait = _retry_after(r) if r.status_code == 503 and attempt < _BUSY_RETRIES else None
-                    if wait is None:
+                    wait = _retry_after(r) if r.status_code == 503 else None
+                    if wait is None or waited + wait > _BUSY_WAIT_S:
                         await self._read_events(r, url, chat, queue)
                         break
                     await r.aread()
                 await asyncio.sleep(wait)
+                waited += wait
             queue.put_nowait(("end", None))
         except asyncio.CancelledError:
             queue.put_nowait(("aborted", None))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,7 +21,9 @@ from hypothesis import strategies as st
 from localllm.cli import main
 from localllm.engine.async_engine import AsyncEngine
 from localllm.engine.engine import EngineConfig, LLMEngine
+from localllm.engine.sequence import SamplingParams
 from localllm.server.app import create_app, start_server_thread
+from localllm.server.remote import RemoteEngine
 from tests.server.conftest import MAX_MODEL_LEN, Served
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -273,19 +276,55 @@ def _metric(base: str, name: str) -> float:
 
 
 def test_max_waiting_answers_503_with_retry_after(exact_engine: AsyncEngine) -> None:
-    with _serving(exact_engine, max_waiting=2) as base, httpx.Client(base_url=base, timeout=60) as client:
+    """Two long prefills hold the two waiting slots; a third request is refused at once with
+    503 and Retry-After, and gets in once they have their first tokens."""
+    import threading
+
+    long = {"prompt": list(range(300, 300 + MAX_MODEL_LEN - 40)), "max_tokens": 1}
+    with _serving(exact_engine, max_waiting=2) as base, httpx.Client(base_url=base, timeout=120) as client:
         assert _metric(base, "max_waiting") == 2
         r = client.post("/chat/completions", json={"messages": QUESTION, "max_tokens": 2, "n": 3})
+        assert r.status_code == 400 and _error(r)["param"] == "n"  # can never fit: waiting would not help
+        statuses: list[int] = []
+        holders = [threading.Thread(target=lambda i=i: statuses.append(httpx.post(
+            f"{base}/completions", json={**long, "prompt": long["prompt"][i:]}, timeout=120).status_code))
+            for i in range(2)]
+        for t in holders:
+            t.start()
+        deadline = time.monotonic() + 60
+        while _metric(base, "server_requests_waiting") < 2:  # both admitted, neither has a token yet
+            assert time.monotonic() < deadline and all(t.is_alive() for t in holders)
+            time.sleep(0.005)
+        r = client.post("/chat/completions", json={"messages": QUESTION, "max_tokens": 2})
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
         error = _error(r)
         assert error["code"] == "server_busy" and "--max-waiting" in error["message"]
         _keeps_connection(r)
+        for t in holders:
+            t.join()
+        assert statuses == [200, 200]
         ok = client.post("/chat/completions", json={"messages": QUESTION, "max_tokens": 2, "n": 2})
         assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
         assert _metric(base, "requests_rejected_total") == 1
         assert _metric(base, "server_requests_waiting") == 0
     with _serving(exact_engine) as base:
         assert _metric(base, "max_waiting") == float("inf")  # off unless asked
+
+
+async def test_remote_engine_waits_out_a_busy_server(exact_engine: AsyncEngine) -> None:
+    """``--endpoint`` clients (run, the TUI) retry after a 503's Retry-After, as OpenAI's do."""
+    long = {"prompt": list(range(300, 300 + MAX_MODEL_LEN - 40)), "max_tokens": 1}
+    with _serving(exact_engine, max_waiting=1) as base:
+        remote = RemoteEngine(base)
+        holder = asyncio.ensure_future(asyncio.to_thread(httpx.post, f"{base}/completions", json=long, timeout=120))
+        while await asyncio.to_thread(_metric, base, "server_requests_waiting") < 1:
+            assert not holder.done()
+        outs = [o async for o in remote.generate(QUESTION, SamplingParams(temperature=0, max_tokens=4))]
+        assert outs[-1].finished and outs[-1].outputs[0].text
+        assert await asyncio.to_thread(_metric, base, "requests_rejected_total") >= 1
+        assert (await holder).status_code == 200
+        await remote.aclose()
+        remote.shutdown()
 
 
 def test_request_timeout_stops_the_request_and_frees_its_blocks(exact_engine: AsyncEngine) -> None:

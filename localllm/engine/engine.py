@@ -20,7 +20,7 @@ from localllm.engine.block_manager import BlockManager
 from localllm.engine.guided import GrammarCompiler
 from localllm.engine.model_runner import ModelRunner
 from localllm.engine.scheduler import Scheduler
-from localllm.engine.sequence import RequestMetrics, SamplingParams, Sequence, SequenceStatus
+from localllm.engine.sequence import RequestMetrics, SamplingParams, Sequence, SequenceStatus, choice_seed
 from localllm.errors import LocalLLMError
 from localllm.tokenizer import IncrementalDetokenizer, Message
 
@@ -168,7 +168,8 @@ class LLMEngine:
             text = self.tokenizer.apply_chat_template(prompt)  # type: ignore[arg-type]
             return text, self.tokenizer.encode_rendered(text)
         ids = list(prompt)  # type: ignore[arg-type]
-        if not all(isinstance(t, int) and 0 <= t < self.runner.model.config.vocab_size for t in ids):
+        vocab = self.runner.model.config.vocab_size
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
             raise LocalLLMError("prompt token ids must be ints inside the vocabulary")
         return None, ids
 
@@ -176,6 +177,7 @@ class LLMEngine:
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
     ) -> str:
         params = params or SamplingParams()
+        params.validate(self.runner.model.config.vocab_size)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise LocalLLMError(f"request id {request_id!r} is already running")
@@ -344,13 +346,22 @@ class LLMEngine:
         that share the prompt (and so its KV, through the prefix cache)."""
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise LocalLLMError(f"{len(prompts)} prompts but {len(params)} sampling params; pass one, or one per prompt")
         ids: list[list[str]] = []
-        for prompt, p in zip(prompts, params):
-            group = []
-            for i in range(p.n):
-                sub = p if p.n == 1 else _replace(p, n=1, seed=None if p.seed is None else p.seed + i)
-                group.append(self.add_request(prompt, sub))
-            ids.append(group)
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append([])
+                p.validate()  # n before range(n); add_request checks each choice against the model
+                for i in range(p.n):
+                    sub = p if p.n == 1 else _replace(p, n=1, seed=choice_seed(p.seed, i))
+                    ids[-1].append(self.add_request(prompt, sub))
+        except BaseException:
+            # one bad prompt or parameter refuses the whole call: the ones added before it must
+            # not stay queued and run with some later call
+            for rid in (r for group in ids for r in group):
+                self.abort_request(rid)
+            raise
         final: dict[str, RequestOutput] = {}
         while self.has_unfinished():
             for out in self.step():

@@ -50,6 +50,22 @@ OURS_SSE = (
     "data: [DONE]\n\n"
 )
 
+# Recorded from llama-server (same request): the role chunk's content is null, an empty delta
+# carries finish_reason, and usage comes with llama.cpp's own timings.
+_LS = ('"created":1796124093,"id":"chatcmpl-NAP","model":"SmolLM2-135M-Instruct.Q4_1.gguf",'
+       '"system_fingerprint":"b1-0c1e570","object":"chat.completion.chunk"')
+THEIRS_SSE = (
+    'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"role":"assistant","content":null}}],' + _LS + "}\n\n"
+    'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"Hello"}}],' + _LS + "}\n\n"
+    'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":" there"}}],' + _LS + "}\n\n"
+    'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"!"}}],' + _LS + "}\n\n"
+    'data: {"choices":[{"finish_reason":"length","index":0,"delta":{}}],' + _LS + "}\n\n"
+    'data: {"choices":[],' + _LS + ',"usage":{"completion_tokens":3,"prompt_tokens":21,"total_tokens":24,'
+    '"prompt_tokens_details":{"cached_tokens":0}},"timings":{"cache_n":0,"prompt_n":21,"prompt_ms":1195.4,'
+    '"predicted_n":3,"predicted_ms":194.1}}\n\n'
+    "data: [DONE]\n\n"
+)
+
 
 def _client(sse: str, seen: list[dict[str, Any]]) -> Any:
     from openai import AsyncOpenAI
@@ -67,15 +83,16 @@ def _clock(times: list[float]) -> Callable[[], float]:
     return lambda: next(it)
 
 
-async def test_ttft_is_the_first_chunk_with_content_not_the_role_chunk() -> None:
+@pytest.mark.parametrize("sse", [OURS_SSE, THEIRS_SSE], ids=["localllm", "llama-server"])
+async def test_ttft_is_the_first_chunk_with_content_not_the_role_chunk(sse: str) -> None:
     seen: list[dict[str, Any]] = []
-    client = _client(OURS_SSE, seen)
+    client = _client(sse, seen)
     # t0, then one reading per chunk: the role chunk lands at 5 ms, the first token at 250 ms
-    r = await peers.stream_chat(client, "m", [{"role": "user", "content": "Hi"}], 3,
-                                clock=_clock([10.0, 10.005, 10.25, 10.30, 10.35, 10.36]))
+    times = [10.0, 10.005, 10.25, 10.30, 10.35, 10.36, 10.37]
+    r = await peers.stream_chat(client, "m", [{"role": "user", "content": "Hi"}], 3, clock=_clock(times))
     assert r.first_chunk_s == pytest.approx(0.005)
     assert r.ttft_s == pytest.approx(0.25)
-    assert r.end_s == pytest.approx(0.36)
+    assert r.end_s == pytest.approx((0.36 if sse is OURS_SSE else 0.37))
     assert (r.output_tokens, r.prompt_tokens, r.content_chunks, r.text) == (3, 21, 3, "Hello there!")
     # the request both servers get: streamed, greedy, a fixed token count, usage at the end
     body = seen[0]

@@ -726,8 +726,9 @@ class Bench:
         sides = [("localllm", our_server_argv, {**os.environ, **self.our_env()}, self.our_env())]
         if o.llama.server is not None:
             sides.append(("llama.cpp", their_server_argv, llama_cpp_env(), self.their_env()))
-        prefix_messages = prompt_of(self.tokenizer, o.prefix_tokens, f"{random.getrandbits(24):06x}") \
-            if measure == "prefix" else None
+        # one nonce per trial, the same for both sides: the same prompts, token for token
+        nonce = f"{random.getrandbits(24):06x}"
+        prefix_messages = prompt_of(self.tokenizer, o.prefix_tokens, nonce) if measure == "prefix" else None
         for side, argv_of, env, shown_env in sides:
             port = free_port()
             argv = argv_of(o, port)
@@ -735,16 +736,15 @@ class Bench:
             self.commands.setdefault("servers", {})[side] = _show(argv, shown_env).replace(f" {port}", " PORT")
             o.say(f"{measure} trial {trial + 1}/{o.trials}: {name}")
             async with Server(name, argv, port, env, o.ready_timeout_s) as server:
-                value = await self._measure_server(measure, server.base, prefix_messages)
+                value = await self._measure_server(measure, server.base, nonce, prefix_messages)
             value["side"] = side
             self._record(measure, side, value)
 
-    async def _measure_server(self, measure: str, base: str,
+    async def _measure_server(self, measure: str, base: str, nonce: str,
                               prefix_messages: list[dict[str, str]] | None) -> dict[str, Any]:
         from openai import AsyncOpenAI
 
         o = self.o
-        nonce = f"{random.getrandbits(24):06x}"
         async with AsyncOpenAI(base_url=f"{base}/v1", api_key="peers", max_retries=0, timeout=1800.0) as client:
             model = (await client.models.list()).data[0].id
             await stream_chat(client, model, [{"role": "user", "content": f"[{nonce}] hi"}], 4)  # warm-up
@@ -847,7 +847,7 @@ def format_report(r: dict[str, Any]) -> str:
         f"CPU: {m['cpu']}; {', '.join(m['isa']) or 'no AVX2'}; {m['threads']} threads of {m['cpus']}",
         f"load average {' '.join(map(str, m['load_average']))} at the start, "
         f"{' '.join(map(str, m['load_average_end']))} at the end",
-        f"localllm: {r['localllm'].get('precision') or r['localllm']['dtype']}"
+        f"localllm: {r['localllm'].get('precision') or 'the plan (--dtype ' + r['localllm']['dtype'] + ')'}"
         + (f", quant {r['localllm']['quant']}" if r["localllm"].get("quant") else "")
         + f"; llama.cpp {r['llama_cpp']['version'] or '(not found)'}",
         f"{r['trials']} trial(s) each, interleaved (localllm, then the peer), medians; "

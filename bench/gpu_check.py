@@ -773,15 +773,20 @@ def main() -> int:
     out_path = Path(args.out) if args.out else Path(os.environ.get("OUT", ".")) / "gpu_check.json"
     sections = [s.strip() for s in args.only.split(",") if s.strip()]
     has_gpu = torch.cuda.is_available()
-    if not has_gpu and not args.smoke:
-        print("gpu_check: no GPU present (torch.cuda.is_available() is False); nothing to measure. "
-              "Use --smoke to exercise the script on CPU.")  # fmt: skip
-        return 0
-    device = "cuda" if has_gpu and not args.smoke else "cpu"
+    # The plan is what a run would do; on a machine without a GPU, what it would do on one.
+    device = "cpu" if args.smoke else "cuda"
     plan = {"device": device, "sections": sections, "budget_s": args.budget, "out": str(out_path),
             "e2e_quants": args.e2e_quants, "e2e_layers": args.e2e_layers}  # fmt: skip
+    no_gpu = not has_gpu and not args.smoke
     if args.dry_run:
         print("gpu_check plan:", json.dumps(plan, indent=2))
+        if no_gpu:
+            print("gpu_check: no GPU here (torch.cuda.is_available() is False): a real run would measure "
+                  "nothing; run it on a GPU machine, or use --smoke to exercise the script on CPU.")
+        return 0
+    if no_gpu:
+        print("gpu_check: no GPU present (torch.cuda.is_available() is False); nothing to measure. "
+              "Use --smoke to exercise the script on CPU.")  # fmt: skip
         return 0
 
     deadline = Deadline(args.budget)

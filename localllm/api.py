@@ -43,6 +43,16 @@ class LLM:
     def tokenizer(self):  # noqa: ANN201 - localllm.tokenizer.Tokenizer
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The model's sampling defaults (generation_config.json or its models.toml entry) over
+        SamplingParams' own: what ``generate`` and ``chat`` use when given no params."""
+        return SamplingParams(**self.engine.sampling_defaults)
+
+    def _params(
+        self, given: SamplingParams | Sequence[SamplingParams] | None
+    ) -> SamplingParams | Sequence[SamplingParams]:
+        return self.get_default_sampling_params() if given is None else given
+
     def generate(
         self,
         prompts: str | Sequence[str] | Sequence[list[int]],
@@ -51,7 +61,7 @@ class LLM:
         """Text prompts are raw completions (no chat template); token-id lists go in as is."""
         if isinstance(prompts, str):
             prompts = [prompts]
-        return self.engine.generate(list(prompts), sampling_params)
+        return self.engine.generate(list(prompts), self._params(sampling_params))
 
     def chat(
         self,
@@ -63,4 +73,4 @@ class LLM:
             conversations: list[Prompt] = [list(messages)]  # type: ignore[list-item]
         else:
             conversations = [list(c) for c in messages]  # type: ignore[arg-type]
-        return self.engine.generate(conversations, sampling_params)
+        return self.engine.generate(conversations, self._params(sampling_params))

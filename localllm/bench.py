@@ -575,8 +575,8 @@ async def bench_guided(target: _Target, opts: BenchOptions, nonce: str) -> list[
 # ---- batch-1 decode: the engine against a plain loop ----
 
 def plain_greedy(llm: Any, prompt_ids: list[int], n_tokens: int) -> tuple[list[int], float]:
-    """Greedy decode straight on the model runner's model and KV pool: one sequence, a
-    contiguous block table, argmax; no scheduler, sampler or detokenizer. Returns the tokens
+    """Greedy decode straight on the model runner's model (compiled where the engine's is) and
+    KV pool: one sequence, a contiguous block table, argmax; no scheduler, sampler or detokenizer. Returns the tokens
     and the decode rate (tokens after the first, per second). The engine must be idle: the
     blocks come from its block manager and go back to it unhashed."""
     import torch
@@ -612,8 +612,8 @@ def plain_greedy(llm: Any, prompt_ids: list[int], n_tokens: int) -> tuple[list[i
             for i in range(p, total - 1):
                 meta = AttentionMetadata(slots[i : i + 1], qsl, torch.tensor([i + 1], dtype=torch.int32, device=dev),
                                          table, 1)
-                hidden = model(torch.tensor([token], dtype=torch.int64, device=dev), pos[i : i + 1], meta)
-                token = int(model.compute_logits(hidden).argmax(-1))  # int(): syncs, as the engine does
+                logits = runner.decode_logits(torch.tensor([token], dtype=torch.int64, device=dev), pos[i : i + 1], meta)
+                token = int(logits.argmax(-1))  # int(): syncs, as the engine does
                 tokens.append(token)
             elapsed = time.monotonic() - t0
     finally:
@@ -771,7 +771,7 @@ def _positive_ints(text: str) -> tuple[int, ...]:
 
 
 def register(sub: Any) -> None:
-    from localllm.cli import _add_model_arg, _lazy
+    from localllm.cli import _add_engine_args, _add_model_arg, _lazy
 
     p: argparse.ArgumentParser = sub.add_parser(
         "bench", help="throughput and latency: concurrent chats, shared-prefix RAG, multi-turn",
@@ -779,7 +779,7 @@ def register(sub: Any) -> None:
     )
     _add_model_arg(p)
     p.add_argument("--endpoint", default=None, help="benchmark this OpenAI-compatible server instead")
-    p.add_argument("--api-key", default=None)
+    p.add_argument("--api-key", default=None, help="bearer token for --endpoint")
     p.add_argument("--workload", type=_csv(str, WORKLOADS + EXTRA_WORKLOADS), default=WORKLOADS,
                    help="default chats,rag,multiturn; guided (constrained against free decoding) when named")
     p.add_argument("--chats", type=_positive_ints, default=(1, 4, 16, 64), help="concurrent chats N (default 1,4,16,64)")
@@ -794,11 +794,8 @@ def register(sub: Any) -> None:
     p.add_argument("--turns", type=int, default=10, help="multiturn turns (default 10)")
     p.add_argument("--plain-tokens", type=int, default=64, help="batch-1 decode tokens against the plain loop (0 skips)")
     p.add_argument("--json", action="store_true", help="print the full report as JSON")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
-    p.add_argument("--quant", default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
+    _add_engine_args(p)
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (default: the plan's)")
-    p.add_argument("--device", default=None)
     p.set_defaults(func=_lazy("localllm.bench:main"))
 
 

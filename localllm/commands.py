@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
-
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any
-
 
 
 def _cuda() -> bool:
@@ -43,19 +42,26 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> Any:
 
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, quant=args.quant,
-        max_model_len=args.max_model_len, **overrides,
+        max_model_len=args.max_model_len, compile=not args.no_compile, **overrides,
     )
 
 
-def sampling_from_args(args: argparse.Namespace, default_temperature: float) -> Any:
+def _given_sampling(args: argparse.Namespace) -> dict[str, Any]:
+    """The sampling flags the user gave (SAMPLING_KEYS; a flag left out is None)."""
+    from localllm.catalog import SAMPLING_KEYS
+
+    return {k: v for k in SAMPLING_KEYS if (v := getattr(args, k)) is not None}
+
+
+def sampling_from_args(args: argparse.Namespace, model_defaults: Mapping[str, float | int]) -> Any:
+    """The flags the user gave, over the model's defaults, over run's own: temperature 0.7 for
+    a chat reply, 0 (greedy) for a --raw completion."""
     from localllm.engine.sequence import SamplingParams
 
+    values = {"temperature": 0.0 if args.raw else 0.7, **model_defaults, **_given_sampling(args)}
     schema_file = getattr(args, "json_schema", None)
-    return SamplingParams(
-        temperature=default_temperature if args.temperature is None else args.temperature,
-        top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, max_tokens=args.max_tokens, seed=args.seed,
-        guided_json=read_json_schema(schema_file) if schema_file else None,
-    )
+    return SamplingParams(**values, max_tokens=args.max_tokens, seed=args.seed,
+                          guided_json=read_json_schema(schema_file) if schema_file else None)
 
 
 def read_json_schema(path: str) -> dict[str, Any]:
@@ -77,11 +83,16 @@ def read_json_schema(path: str) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from localllm.engine.sequence import SamplingParams
+
+    # Bad flags (and a bad --json-schema file) fail now, not after the model has loaded.
+    SamplingParams(**_given_sampling(args), max_tokens=args.max_tokens, seed=args.seed)
+    if getattr(args, "json_schema", None):
+        read_json_schema(args.json_schema)
     if args.endpoint:
         from localllm.server.remote import run_remote
 
         return run_remote(args)
-    params = sampling_from_args(args, default_temperature=0.0 if args.raw else 0.7)
     from localllm.engine.engine import LLMEngine
     from localllm.hardware.probe import MemoryMeter
 
@@ -93,9 +104,12 @@ def run(args: argparse.Namespace) -> int:
     t_load = time.monotonic()
     engine = LLMEngine(engine_config_from_args(args, chats=1), progress=_progress_printer())
     load_s = time.monotonic() - t_load
+    params = sampling_from_args(args, engine.sampling_defaults)
     if args.raw:
         prompt: Any = args.prompt
     else:
+        if engine.tokenizer.template_note:
+            print(f"localllm: note: {engine.tokenizer.template_note}", file=sys.stderr)
         messages = [{"role": "system", "content": args.system}] if args.system else []
         prompt = [*messages, {"role": "user", "content": args.prompt}]
     stream = not args.json
@@ -123,6 +137,9 @@ def run(args: argparse.Namespace) -> int:
         "text": result.outputs[0].text,
         "finish_reason": result.outputs[0].finish_reason,
         "num_cached_tokens": result.num_cached_tokens,
+        "sampling": {k: getattr(params, k) for k in ("temperature", "top_p", "top_k", "min_p",
+                                                      "repetition_penalty", "max_tokens", "seed")},
+        "sampling_defaults": engine.sampling_defaults,
         "timings": {
             "load_s": round(load_s, 3),
             "ttft_s": round(m.ttft or 0.0, 4),
@@ -184,8 +201,9 @@ def models(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"models": rows, "models_dir": str(store.models_dir())}, indent=2))
         return 0
-    from rich.console import Console
     from rich.table import Table
+
+    from localllm.cli import stdout_console
 
     table = Table(title=f"models (store: {store.models_dir()})")
     for col in ("id", "params", "status", "path"):
@@ -193,8 +211,8 @@ def models(args: argparse.Namespace) -> int:
     for r in rows:
         status = "local" if r["local_path"] else ("catalog" if r["supported"] else "catalog (unsupported)")
         params = f"{r['params'] / 1e9:.2f}B" if r["params"] else "?"
-        table.add_row(r["id"] + (" *" if r["default"] else ""), params, status, r["local_path"] or "")
-    Console().print(table)
+        table.add_row(r["id"] + (" (default)" if r["default"] else ""), params, status, r["local_path"] or "")
+    stdout_console().print(table)
     return 0
 
 

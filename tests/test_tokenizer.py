@@ -36,3 +36,16 @@ def test_incremental_detokenizer_streams_exact_text(default_checkpoint, text: st
     pieces = [detok.add([i]) for i in ids]
     assert "".join(pieces) == tok.decode(ids) == text
     assert all("\ufffd" not in p for p in pieces)  # never a broken UTF-8 sequence
+
+
+@pytest.mark.parametrize(("pre", "pieces"), [("llama-bpe", ["abc"]), ("gpt2", ["ab", "c"])])
+def test_llama3_bpe_takes_whole_vocabulary_words_before_merging(pre: str, pieces: list[str]) -> None:
+    """Llama 3's tokenizer (HF ignore_merges, llama.cpp's too) emits a pre-token found in the
+    vocabulary as is, even when no merge sequence reaches it ("ĠViá»ĩt" in its vocabulary)."""
+    from localllm.tokenizer import Tokenizer
+
+    tokens = ["a", "b", "c", "ab", "abc"]
+    fields = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": tokens,
+              "tokenizer.ggml.merges": ["a b"]}
+    tok = Tokenizer.from_gguf_fields(fields, "test.gguf")
+    assert [tokens[i] for i in tok.encode("abc")] == pieces

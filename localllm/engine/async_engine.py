@@ -54,6 +54,11 @@ class AsyncEngine:
     def tokenizer(self):  # noqa: ANN201 - Tokenizer; the engine's, read-only after load
         return self.engine.tokenizer
 
+    @property
+    def sampling_defaults(self) -> dict[str, float | int]:
+        """The model's sampling defaults (see ``LLMEngine.sampling_defaults``); fixed at load."""
+        return self.engine.sampling_defaults
+
     def stats(self) -> EngineStats:
         """A snapshot taken after the last step; safe to read from any thread."""
         return self._stats

@@ -8,6 +8,7 @@ the server. It never blocks on a consumer.
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass, field
@@ -41,6 +42,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
     use_cuda_graphs: bool = True
+    compile: bool = True  # CPU decode through torch.compile; False (or LOCALLLM_NO_COMPILE=1) keeps eager
+    decode_buckets: list[int] | None = None  # rehearse the CUDA-graph bookkeeping eagerly (tests)
 
 
 @dataclass(slots=True)
@@ -94,6 +97,7 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, progress: Callable[[str, int, int], None] | None = None):
         from localllm.models.loader import load_model
+        from localllm.engine.sampling_defaults import sampling_defaults
 
         self.config = config = config or EngineConfig()
         loaded = load_model(
@@ -101,6 +105,7 @@ class LLMEngine:
             max_model_len=config.max_model_len, context=config.context, chats=config.chats,
             num_kv_blocks=config.num_kv_blocks, block_size=config.block_size,
             gpu_memory_utilization=config.gpu_memory_utilization, progress=progress,
+            compile=self._compiles(config),
         )
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
@@ -108,11 +113,16 @@ class LLMEngine:
         self.precision = loaded.precision
         self.device = loaded.device
         self.max_model_len = loaded.max_model_len
+        # What the model asks for when a caller leaves a sampling field unset: only the keys the
+        # model sets, by SamplingParams name (run, LLM.generate, the server and the TUI read it).
+        self.sampling_defaults: dict[str, float | int] = sampling_defaults(loaded.path, loaded.name)
         self.block_manager = BlockManager(loaded.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(
             loaded.model, loaded.num_kv_blocks, config.block_size, loaded.kv_dtype, loaded.max_model_len,
             use_cuda_graphs=config.use_cuda_graphs and loaded.use_cuda_graphs,
             max_graph_batch=config.max_num_seqs or self.plan.max_num_seqs,
+            compile_cpu=self._compiles(config),
+            decode_buckets=config.decode_buckets, progress=progress,
         )
         self.scheduler = Scheduler(
             self.block_manager,
@@ -130,6 +140,11 @@ class LLMEngine:
         self._prompt_tokens = 0
         self._max_batch = 0
 
+    @staticmethod
+    def _compiles(config: EngineConfig) -> bool:
+        """Whether a CPU engine compiles its decode step (the planner sizes memory for it)."""
+        return config.compile and os.environ.get("LOCALLLM_NO_COMPILE", "0") in ("", "0")
+
     # ---- requests ----
 
     def encode_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -137,7 +152,7 @@ class LLMEngine:
             return prompt, self.tokenizer.encode(prompt)
         if prompt and isinstance(prompt[0], dict):
             text = self.tokenizer.apply_chat_template(prompt)  # type: ignore[arg-type]
-            return text, self.tokenizer.backend.encode(text, add_special_tokens=False).ids
+            return text, self.tokenizer.encode_rendered(text)
         ids = list(prompt)  # type: ignore[arg-type]
         if not all(isinstance(t, int) and 0 <= t < self.runner.model.config.vocab_size for t in ids):
             raise LocalLLMError("prompt token ids must be ints inside the vocabulary")

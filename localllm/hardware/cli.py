@@ -105,17 +105,11 @@ def run(args: argparse.Namespace) -> int:
         },
         "models": rows,
     }
-    try:
-        if args.json:
-            sys.stdout.write(json.dumps(doc, indent=2) + "\n")
-            sys.stdout.flush()
-        else:
-            _render(doc, hw, args)
-    except BrokenPipeError:
-        # `localllm probe | head` closed the pipe early: not an error. Silence the flush at exit.
-        import os
-
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    # `localllm probe | head` closing the pipe early is handled once, in localllm.cli.main
+    if args.json:
+        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+    else:
+        _render(doc, hw, args)
     return 0
 
 
@@ -184,12 +178,12 @@ def _row(
 
 
 def _render(doc: dict[str, Any], hw: Hardware, args: argparse.Namespace) -> None:
-    from rich.console import Console
     from rich.table import Table
 
+    from localllm.cli import stdout_console
     from localllm.hardware.planner import CPU_RAM_FRACTION, fmt_bytes
 
-    console = Console(width=None if sys.stdout.isatty() else 200, soft_wrap=False, highlight=False)
+    console = stdout_console(width=None if sys.stdout.isatty() else 200, soft_wrap=False, highlight=False)
     cpu = hw.cpu
     console.print("[bold]Hardware[/bold]" + (" (planned for, not this machine)" if hw.hypothetical else ""))
     console.print(f"  CPU  {cpu.model}, {cpu.physical_cores} physical / {cpu.logical_cores} logical cores,"

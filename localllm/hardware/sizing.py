@@ -13,7 +13,12 @@ from dataclasses import dataclass
 from typing import Protocol
 
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
-QUANTS: tuple[str, ...] = ("fp8", "int8", "awq")
+QUANTS: tuple[str, ...] = ("fp8", "int8", "awq", "gguf")
+# "gguf" (CPU): a GGUF file's blocks as they are. Sized as Q4_1 block linears (20 bytes per
+# 32 weights, the default model's) and a Q8_0 head (34 per 32) beside the float embedding
+# the lookup reads; a file of other types is sized by that estimate.
+GGUF_LINEAR_BYTES_PER_WEIGHT = 20 / 32
+GGUF_HEAD_BYTES_PER_WEIGHT = 34 / 32
 
 # Per-output-channel scale of int8/fp8 weights (fp32), and the AWQ group layout:
 # int4 weights, one fp16 scale and one packed int4 zero per group of input columns.
@@ -118,6 +123,10 @@ def weight_bytes(m: ModelDims, weight_dtype: str = "bfloat16", quant: str | None
         return c.block_linear + c.block_rows * CHANNEL_SCALE_BYTES + rest
     if quant == "awq":
         return int(c.block_linear / 2 + c.awq_groups * (AWQ_SCALE_BYTES + AWQ_ZERO_BYTES)) + rest
+    if quant == "gguf":
+        head = c.lm_head or c.embedding  # the head runs on its own blocks, tied or not
+        return int(c.block_linear * GGUF_LINEAR_BYTES_PER_WEIGHT + head * GGUF_HEAD_BYTES_PER_WEIGHT) + (
+            c.embedding + c.norms) * b
     raise ValueError(f"unknown quantization {quant!r}; use one of {', '.join(QUANTS)}")
 
 
@@ -125,6 +134,8 @@ def decode_read_bytes(m: ModelDims, weight_dtype: str = "bfloat16", quant: str |
     """Weight bytes one decode step reads. An untied embedding table is only indexed (one row);
     a tied one is read in full as the lm_head."""
     total = weight_bytes(m, weight_dtype, quant)
+    if quant == "gguf":  # the float embedding is only indexed; the head has its own blocks
+        return total - (m.vocab_size - 1) * m.hidden_size * DTYPE_BYTES[weight_dtype]
     if m.tie_word_embeddings:
         return total
     b = DTYPE_BYTES[weight_dtype]

@@ -254,9 +254,18 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)
 
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The float weights' dtype (the embedding's; a quantized head has none of its own)."""
+        return self.model.embed_tokens.weight.dtype
+
     def init_rope(self, max_positions: int) -> None:
         """Fills the rotary table; called after the weights are materialised on their device."""
-        self.cos_sin = rope_cos_sin(self.config, max_positions).to(self.lm_head.weight.device)
+        self.cos_sin = rope_cos_sin(self.config, max_positions).to(self.device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Returns the final hidden states [T, hidden]; ``compute_logits`` projects the rows
@@ -264,6 +273,15 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, self.cos_sin, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if not isinstance(self.lm_head, nn.Linear):
+            # a quantized head (GGUF blocks on CPU): its int8 activations move logits by ~0.5%,
+            # more than the top two of a small model can be apart, so the top 8 are recomputed
+            # exactly from the fp32 final norm and the head's own (dequantized) rows
+            logits = self.lm_head(hidden.float()).float()
+            top = logits.topk(8, dim=-1).indices
+            rows = self.lm_head.dequantize_rows(top.flatten()).view(*top.shape, -1)  # type: ignore[operator]
+            exact = torch.einsum("td,tkd->tk", hidden.float(), rows)
+            return logits.scatter_(1, top, exact)
         w = self.lm_head.weight
         logits = torch.nn.functional.linear(hidden.to(w.dtype), w).float()
         if w.dtype != torch.float32:
@@ -285,7 +303,7 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
-            if self.config.tie_word_embeddings and name == "lm_head.weight":
+            if self.config.tie_word_embeddings and name == "lm_head.weight" and isinstance(self.lm_head, nn.Linear):
                 continue
             shard: int | None = None
             for frag, (fused, idx) in _STACKED.items():
@@ -323,7 +341,7 @@ class LlamaForCausalLM(nn.Module):
             if hasattr(module, "expected_weight_names"):  # quantized linears name their own tensors
                 names.update(f"{mod_name}.{n}" for n in module.expected_weight_names())
         for name, _ in self.named_parameters():
-            if self.config.tie_word_embeddings and name == "lm_head.weight":
+            if self.config.tie_word_embeddings and name == "lm_head.weight" and isinstance(self.lm_head, nn.Linear):
                 continue
             module = modules[name.rpartition(".")[0]]
             if hasattr(module, "load_weight"):

@@ -7,8 +7,10 @@ consumed one at a time so a shard (or a dequantized GGUF tensor) is the most tha
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+import os
+import re
+from collections.abc import Callable, Collection, Iterator
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +30,10 @@ class Checkpoint:
     format: str  # "hf" or "gguf"
     config: ModelConfig
     tokenizer: Tokenizer
-    weights: Callable[[], WeightIter]
+    weights: Callable[..., WeightIter]  # (raw=(), head_from_embedding=False) for GGUF; () for HF
     num_tensors: int
+    # GGUF only: HF tensor name -> GGML block type, so a CPU plan can keep the file's blocks
+    block_types: dict[str, int] = field(default_factory=dict)
 
 
 def open_checkpoint(path: Path) -> Checkpoint:
@@ -230,15 +234,84 @@ def _read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, _GGUFTensor]]:
     return fields, tensors
 
 
-def _open_gguf(path: Path) -> Checkpoint:
+def _parse_gguf(path: Path) -> tuple[dict[str, Any], dict[str, _GGUFTensor]]:
     try:
-        fields, tensors = _read_gguf(path)
+        return _read_gguf(path)
     except Exception as e:  # struct.error, ValueError, KeyError on unknown types: all mean a bad file
         raise LocalLLMError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from e
 
+
+_SHARD_NAME = re.compile(r"(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf")
+
+
+def gguf_shards(path: Path) -> list[Path]:
+    """The files of the GGUF model ``path`` is part of, first to last: all the shards of a split
+    model, named ``<name>-00001-of-0000N.gguf`` as gguf-split and the gguf package write them, or
+    just ``path``."""
+    m = _SHARD_NAME.fullmatch(path.name)
+    if m is None:
+        return [path]
+    count = int(m["count"])
+    return [path.with_name(f"{m['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+
+
+def _read_gguf_model(path: Path) -> tuple[dict[str, Any], dict[str, _GGUFTensor]]:
+    """The metadata and tensors of a GGUF model, given its file or any shard of a split one.
+
+    Invariant of a split model: shard K (0-based ``split.no``) of ``split.count`` holds a disjoint
+    part of the ``split.tensors.count`` tensors, and only the first carries the model's metadata.
+    """
+    fields, tensors = _parse_gguf(path)
+    count = int(fields.get("split.count", 1))
+    if count <= 1:
+        return fields, tensors
+    shards = gguf_shards(path)
+    if len(shards) != count:
+        raise LocalLLMError(
+            f"{path}: a shard of a GGUF split into {count} files, but not named <name>-0000K-of-{count:05d}.gguf; "
+            "give the shards back the names gguf-split wrote"
+        )
+    meta, merged = fields, {}
+    for no, shard in enumerate(shards):
+        if shard == path:
+            part_fields, part = fields, tensors
+        elif not shard.is_file():
+            raise LocalLLMError(
+                f"{shard}: missing; {path.name} is one of {count} shards that must all sit in one folder"
+            )
+        else:
+            part_fields, part = _parse_gguf(shard)
+        got = (part_fields.get("split.no"), part_fields.get("split.count"))
+        if got != (no, count):
+            raise LocalLLMError(
+                f"{shard}: its split.no/split.count are {got[0]}/{got[1]}, expected {no}/{count}; "
+                "the shards come from different splits"
+            )
+        if no == 0:
+            meta = part_fields
+        twice = merged.keys() & part.keys()
+        if twice:
+            raise LocalLLMError(
+                f"{shard}: tensor {min(twice)} is also in an earlier shard; the shards come from different splits"
+            )
+        merged.update(part)
+    expected = int(meta.get("split.tensors.count", len(merged)))
+    if len(merged) != expected:
+        raise LocalLLMError(
+            f"{path}: the {count} shards hold {len(merged)} tensors, but split.tensors.count says {expected}"
+        )
+    return meta, merged
+
+
+def _open_gguf(path: Path) -> Checkpoint:
+    fields, tensors = _read_gguf_model(path)
+
     arch = fields.get("general.architecture")
     if arch not in _GGUF_ARCH:
-        raise LocalLLMError(f"{path}: GGUF architecture {arch!r} is not supported ({', '.join(_GGUF_ARCH)})")
+        raise LocalLLMError(
+            f"{path}: GGUF architecture {arch!r} is not supported; localllm runs {', '.join(_GGUF_ARCH)} "
+            "(llama covers Llama 2/3, Mistral 7B, TinyLlama, SmolLM)"
+        )
 
     def meta(key: str, default: Any = None) -> Any:
         value = fields.get(f"{arch}.{key}", default)
@@ -276,19 +349,31 @@ def _open_gguf(path: Path) -> Checkpoint:
     permute = arch == "llama"  # llama.cpp permutes Q/K only for its llama architecture
     kv_heads = config.num_kv_heads
 
-    def weights() -> WeightIter:
+    def weights(raw: Collection[str] = (), head_from_embedding: bool = False) -> WeightIter:
+        """HF-named tensors, dequantized to float32, except those named in ``raw``, which come
+        as the file's blocks (``GGUFBlocks``; rows permuted the same way). With
+        ``head_from_embedding`` a tied model also gets ``lm_head.weight`` from token_embd,
+        for a CPU plan that runs the head on its own blocks."""
+        from localllm.quant.gguf import GGUFBlocks
+
         for name, t in tensors.items():
             hf_name = _gguf_hf_name(name)
             if hf_name is None:
                 continue
-            w = torch.from_numpy(_dequantize(t, path))
-            if permute and ".q_proj." in hf_name:
-                w = _unpermute(w, heads)
-            elif permute and ".k_proj." in hf_name:
-                w = _unpermute(w, kv_heads)
-            yield hf_name, w
+            names = [hf_name] + (["lm_head.weight"] if head_from_embedding and name == "token_embd.weight" else [])
+            for out_name in names:
+                if out_name in raw:
+                    w = torch.from_numpy(np.array(t.data))
+                else:
+                    w = torch.from_numpy(_dequantize(t, path))
+                if permute and ".q_proj." in hf_name:
+                    w = _unpermute(w, heads)
+                elif permute and ".k_proj." in hf_name:
+                    w = _unpermute(w, kv_heads)
+                yield out_name, (GGUFBlocks(int(t.tensor_type), w.contiguous()) if out_name in raw else w)
 
-    return Checkpoint(path, "gguf", config, tokenizer, weights, len(tensors))
+    block_types = {hf: int(t.tensor_type) for n, t in tensors.items() if (hf := _gguf_hf_name(n)) is not None}
+    return Checkpoint(path, "gguf", config, tokenizer, weights, len(tensors), block_types)
 
 
 def _dequantize(t: Any, path: Path) -> np.ndarray:
@@ -313,11 +398,13 @@ def build_model(
     max_positions: int,
     progress: Callable[[int, int], None] | None = None,
     quantize: Callable[[LlamaForCausalLM], None] | None = None,
+    weight_options: dict[str, Any] | None = None,
 ) -> LlamaForCausalLM:
     """Materialises the model on ``device`` in ``dtype`` and streams the checkpoint into it.
 
     ``progress(done, total)`` is called after each tensor. ``quantize`` swaps linears for
     quantized ones before loading (checkpoints that are already quantized) — see localllm.quant.
+    ``weight_options`` go to ``ckpt.weights`` (which GGUF tensors stay blocks).
     """
     with torch.device("meta"):
         model = LlamaForCausalLM(ckpt.config)
@@ -330,13 +417,13 @@ def build_model(
     # The final norm feeds the logits; in fp32 its output lets compute_logits refine the top
     # candidates exactly (see there). It is one vector.
     model.model.norm.weight.data = model.model.norm.weight.data.float()
-    if ckpt.config.tie_word_embeddings:
+    if ckpt.config.tie_word_embeddings and isinstance(model.lm_head, torch.nn.Linear):
         model.lm_head.weight = model.model.embed_tokens.weight
     done = 0
 
     def counted() -> WeightIter:
         nonlocal done
-        for item in ckpt.weights():
+        for item in ckpt.weights(**(weight_options or {})):
             yield item
             done += 1
             if progress is not None:
@@ -398,6 +485,7 @@ def load_model(
     block_size: int = 16,
     gpu_memory_utilization: float = 0.9,
     progress: Callable[[str, int, int], None] | None = None,
+    compile: bool = True,
 ) -> LoadedModel:
     """Resolves (pulling if needed), plans against this machine, and loads. ``progress`` gets
     ``(stage, done, total)``."""
@@ -405,6 +493,10 @@ def load_model(
     from localllm.hardware.planner import plan as make_plan
     from localllm.hardware.probe import probe_hardware
 
+    if quant is not None:
+        from localllm.quant import check_method
+
+        quant = check_method(quant)  # an unknown method fails before the model is fetched
     path = store.resolve(name)
     ckpt = open_checkpoint(path)
     cfg = ckpt.config
@@ -420,10 +512,19 @@ def load_model(
     plan_quant = {"rtn4": "awq", "int8-w8a8": "int8", "none": None}.get(quant, quant) if quant else None
     if pre_quant:
         plan_quant = "fp8" if pre_quant == "compressed-tensors" else pre_quant
+    cpu_gguf = None
+    if quant == "gguf" and ckpt.format != "gguf":
+        raise LocalLLMError(f"--quant gguf keeps a GGUF file's blocks, but {path.name} is not a .gguf file")
+    if ckpt.format == "gguf" and not pre_quant and quant in (None, "gguf") and dtype == "auto" and device != "cuda":
+        from localllm.quant.gguf import measure_cpu_choice
+
+        cpu_gguf = measure_cpu_choice(ckpt.block_types)
+        if quant == "gguf" and cpu_gguf is None:
+            raise LocalLLMError("--quant gguf needs localllm's CPU kernels (an x86-64-v3 CPU and a C++ compiler)")
     plan = make_plan(
-        cfg, hw, context=max_model_len or context, chats=chats, quant=plan_quant,
+        cfg, hw, context=max_model_len or context, chats=chats, quant=None if quant == "gguf" else plan_quant,
         dtype=None if dtype == "auto" else dtype, gpu_memory_utilization=gpu_memory_utilization,
-        block_size=block_size,
+        block_size=block_size, cpu_gguf=cpu_gguf, cpu_compile=compile, name=name or store.DEFAULT_MODEL,
     )
     dev = torch.device(plan.device)
     torch_dtype = _DTYPES[plan.weight_dtype]
@@ -433,7 +534,22 @@ def load_model(
     method = pre_quant or (quant if quant not in (None, "none") else plan.quant)
 
     swap = None
-    if pre_quant:
+    weight_options: dict[str, Any] = {}
+    if method == "gguf":
+        from localllm.quant.gguf import TYPE_NAMES, plan_gguf_modules
+
+        raw: set[str] = set()  # filled by the swap, read when the weights start streaming
+
+        def swap(m: LlamaForCausalLM) -> None:
+            names, requantized = plan_gguf_modules(m, ckpt.block_types, cfg.tie_word_embeddings)
+            raw.update(names)
+            if requantized:
+                plan.reasons.append(f"requantized to Q8_0 (not Q4_0/Q4_1/Q8_0 in the file): {', '.join(requantized)}")
+
+        weight_options = {"raw": raw, "head_from_embedding": cfg.tie_word_embeddings}
+        kinds = sorted({TYPE_NAMES[t] for t in ckpt.block_types.values() if t in TYPE_NAMES})
+        method = "gguf-" + "/".join(kinds).lower()
+    elif pre_quant:
         from localllm.quant import prepare_for_checkpoint
 
         swap = lambda m: prepare_for_checkpoint(m, cfg.quantization)  # noqa: E731
@@ -444,7 +560,7 @@ def load_model(
 
         swap = lambda m: prepare_online(m, method)  # noqa: E731
     report = (lambda d, t: progress("loading", d, t)) if progress else None
-    model = build_model(ckpt, torch_dtype, dev, max_len, report, swap)
+    model = build_model(ckpt, torch_dtype, dev, max_len, report, swap, weight_options)
     _release_loader_memory()
     return LoadedModel(
         name=name or store.DEFAULT_MODEL, path=path, model=model, tokenizer=ckpt.tokenizer, plan=plan,
@@ -485,10 +601,14 @@ def save_hf_folder(
     tok.backend.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({
         "chat_template": tok.chat_template, "bos_token": tok.bos_token, "eos_token": tok.eos_token,
-        "add_bos_token": tok.add_bos,
+        "add_bos_token": tok.add_bos, "add_eos_token": tok.add_eos,
     }, indent=2))
     (out / "generation_config.json").write_text(json.dumps({
         "bos_token_id": tok.bos_token_id, "eos_token_id": list(tok.eos_token_ids),
     }, indent=2))
     state = {name: t.contiguous() for name, t in (tensors if tensors is not None else ckpt.weights())}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    # safetensors creates the file 0600; give it the mode any file written here gets
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(out / "model.safetensors", 0o666 & ~umask)

@@ -7,8 +7,6 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-_METHODS = ("awq", "rtn4", "int8", "int8-w8a8", "fp8")
-
 
 def _positive(value: str) -> int:
     try:
@@ -21,10 +19,15 @@ def _positive(value: str) -> int:
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("quantize", help="quantize a model and write it as a checkpoint (AWQ, INT8, FP8)")
+    from localllm.cli import QUANT_METHODS
+
+    p = sub.add_parser(
+        "quantize", help="quantize a model and write it as a checkpoint (AWQ, INT8, FP8)",
+        description="Quantize a model and write it as an HF checkpoint that localllm, vLLM and AutoAWQ load.",
+    )
     p.add_argument("model", nargs="?", default=None,
                    help="catalog name, HF repo id, local HF folder or .gguf file (default: the embedded default)")
-    p.add_argument("--method", required=True, help=f"one of {', '.join(_METHODS)}")
+    p.add_argument("--method", required=True, help=f"one of {QUANT_METHODS}")
     p.add_argument("-o", "--output", required=True, help="folder to write the HF checkpoint to")
     p.add_argument("--calib", default=None, help="calibration text for awq (default: the Apache-2.0 license text)")
     p.add_argument("--calib-tokens", type=_positive, default=8192, help="calibration tokens for awq (default 8192)")
@@ -33,14 +36,17 @@ def register(sub: Any) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.set_defaults(func=run_quantize)
 
-    p = sub.add_parser("eval", help="perplexity, speed and greedy agreement per quantization mode")
+    p = sub.add_parser(
+        "eval", help="perplexity, speed and greedy agreement per quantization mode",
+        description="Measure perplexity, memory, speed and greedy agreement of a model per quantization mode.",
+    )
     p.add_argument("model", nargs="?", default=None,
                    help="catalog name, HF repo id, local HF folder or .gguf file (default: the embedded default)")
     p.add_argument("--text", required=True, help="plain-text file to measure perplexity on")
     p.add_argument("--quant", default="none,fp8,int8,awq,rtn4",
-                   help="comma-separated modes: none, fp8, int8, int8-w8a8, awq, rtn4 (default: all but int8-w8a8)")
+                   help=f"comma-separated modes: none, {QUANT_METHODS} (default: all but int8-w8a8)")
     p.add_argument("--calib", default=None, help="calibration text for awq; must differ from --text")
-    p.add_argument("--calib-tokens", type=_positive, default=8192)
+    p.add_argument("--calib-tokens", type=_positive, default=8192, help="calibration tokens for awq (default 8192)")
     p.add_argument("--group-size", type=_positive, default=None, help="int4 group size (awq, rtn4)")
     p.add_argument("--max-tokens", type=_positive, default=None, help="evaluate at most this many tokens of --text")
     p.add_argument("--window", type=_positive, default=512, help="perplexity window in tokens (default 512)")
@@ -64,11 +70,13 @@ def run_quantize(args: argparse.Namespace) -> int:
     from localllm.models.loader import build_model, open_checkpoint
     from localllm.quant.checkpoint import save_quantized
     from localllm.quant.eval import DEFAULT_CALIB, calibration_samples
-    from localllm.quant.methods import check_method, config_group_size, prepare_online, quantize_model, weight_bytes
+    from localllm.quant.methods import (
+        METHODS, check_method, config_group_size, prepare_online, quantize_model, weight_bytes,
+    )
 
     method = check_method(args.method)
     if method == "none":
-        raise LocalLLMError(f"--method: choose one of {', '.join(_METHODS)}")
+        raise LocalLLMError(f"--method: choose one of {', '.join(METHODS)}")
     out = Path(args.output).expanduser()
     path = store.resolve(args.model)
     ckpt = open_checkpoint(path)

@@ -65,8 +65,8 @@ class KVPool:
 
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, dtype: torch.dtype | None = None) -> None:
         cfg = model.config
-        device = model.lm_head.weight.device
-        dtype = dtype or model.lm_head.weight.dtype
+        device = model.device
+        dtype = dtype or model.dtype
         shape = (2, cfg.num_layers, num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
         self.kv = torch.zeros(shape, dtype=dtype, device=device)
         for i, layer in enumerate(model.model.layers):
@@ -75,7 +75,7 @@ class KVPool:
 
 
 def device_of(model: LlamaForCausalLM) -> torch.device:
-    return model.lm_head.weight.device
+    return model.device
 
 
 @torch.inference_mode()

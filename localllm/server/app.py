@@ -73,6 +73,7 @@ class _State:
     context_limit: int
     created: int
     token_text: Callable[[int], str]
+    sampling_defaults: dict[str, float | int]  # for the fields a request omits
 
 
 def _make_state(engine: AsyncEngine, model_name: str | None) -> _State:
@@ -85,7 +86,7 @@ def _make_state(engine: AsyncEngine, model_name: str | None) -> _State:
         return tokenizer.decode([token_id], skip_special_tokens=False)
 
     return _State(engine, model_name or llm.model_name, min(llm.max_model_len, bm.num_blocks * bm.block_size),
-                  int(time.time()), token_text)
+                  int(time.time()), token_text, dict(llm.sampling_defaults))
 
 
 def _fan_in(engine: AsyncEngine, jobs: list[Job]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -175,7 +176,7 @@ def _jobs(state: _State, req: GenerationRequest, prompts: list[list[int]], param
 async def _chat_inputs(state: _State, body: Any) -> tuple[ChatRequest, list[int], ToolCalling | None, str | None]:
     """The chat request with its structured-output and tool fields read, and its prompt
     rendered with the tools; the last item names the field that asked for a grammar."""
-    req = parse_chat(body)
+    req = parse_chat(body, state.sampling_defaults)
     guided = parse_guided(body)
     calling = parse_tools(body, state.engine.tokenizer)
     tool_messages(body["messages"], req.messages)
@@ -387,7 +388,7 @@ def create_app(
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{
             "id": state.model, "object": "model", "created": state.created, "owned_by": "localllm",
-            "max_model_len": state.context_limit,
+            "max_model_len": state.context_limit, "sampling_defaults": state.sampling_defaults,
         }]})
 
     async def metrics(request: Request) -> Response:
@@ -430,7 +431,7 @@ def create_app(
 
     async def completions(request: Request) -> Response:
         body = await _read_json(request, max_body_bytes)
-        req = parse_completion(body)
+        req = parse_completion(body, state.sampling_defaults)
         guided = parse_guided(body)
         req.sampling.update(guided.sampling)
         prompts = [await _prompt_ids(state, p) for p in req.prompts]
@@ -640,6 +641,8 @@ def serve_command(args: argparse.Namespace, sock: socket.socket) -> int:
     if args.max_num_seqs:
         overrides["max_num_seqs"] = args.max_num_seqs
     llm = LLMEngine(engine_config_from_args(args, **overrides), progress=_progress_printer())
+    if llm.tokenizer.template_note:
+        print(f"localllm: note: {llm.tokenizer.template_note}", file=sys.stderr)
     engine = AsyncEngine(llm)
     try:
         server = _uvicorn(create_app(engine, model_name=args.served_model_name, api_key=args.api_key))

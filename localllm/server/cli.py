@@ -15,6 +15,9 @@ def register(sub: Any) -> None:
 
     p: argparse.ArgumentParser = sub.add_parser(
         "serve", help="an OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions) on the local engine",
+        description="Serve the OpenAI API on the local engine: every client is batched into the same engine. "
+                    "Sampling fields a request leaves out come from the model's defaults (GET /v1/models lists "
+                    "them), then OpenAI's.",
     )
     _add_model_arg(p)
     p.add_argument("--host", default="127.0.0.1",

@@ -9,13 +9,16 @@ Unknown fields are ignored, as vLLM and llama-server do, because clients send ma
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 MAX_N = 32  # choices per request: each is a full sequence in the engine
 MAX_STOP = 16
 MAX_TOP_LOGPROBS = 20  # the sampler's own cap
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+_NO_DEFAULTS: Mapping[str, float | int] = MappingProxyType({})  # a model that sets no sampling defaults
 
 
 class APIError(Exception):
@@ -172,7 +175,11 @@ def _require_object(body: Any) -> dict[str, Any]:
     return body
 
 
-def _common(body: dict[str, Any], default_max_tokens: int | None) -> dict[str, Any]:
+def _common(
+    body: dict[str, Any], default_max_tokens: int | None, defaults: Mapping[str, float | int],
+) -> dict[str, Any]:
+    """``defaults``: the model's sampling defaults, used for the fields the body omits; OpenAI's
+    own defaults fill the rest."""
     max_tokens = _int(body, "max_tokens", default_max_tokens, lo=1)
     # max_completion_tokens is the newer name for the same thing; it wins when both are sent
     max_tokens = _int(body, "max_completion_tokens", max_tokens, lo=1)
@@ -192,11 +199,12 @@ def _common(body: dict[str, Any], default_max_tokens: int | None) -> dict[str, A
     if best_of is not None and best_of != n:
         raise APIError(400, "'best_of' other than n is not supported", param="best_of", code="unsupported")
     sampling = {
-        "temperature": _float(body, "temperature", 1.0, lo=0.0, hi=2.0),
-        "top_p": _float(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True),
-        "top_k": _int(body, "top_k", -1, lo=-1),
-        "min_p": _float(body, "min_p", 0.0, lo=0.0, hi=1.0),
-        "repetition_penalty": _float(body, "repetition_penalty", 1.0, lo=0.0, hi=10.0, lo_open=True),
+        "temperature": _float(body, "temperature", float(defaults.get("temperature", 1.0)), lo=0.0, hi=2.0),
+        "top_p": _float(body, "top_p", float(defaults.get("top_p", 1.0)), lo=0.0, hi=1.0, lo_open=True),
+        "top_k": _int(body, "top_k", int(defaults.get("top_k", -1)), lo=-1),
+        "min_p": _float(body, "min_p", float(defaults.get("min_p", 0.0)), lo=0.0, hi=1.0),
+        "repetition_penalty": _float(body, "repetition_penalty", float(defaults.get("repetition_penalty", 1.0)),
+                                     lo=0.0, hi=10.0, lo_open=True),
         "presence_penalty": _float(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
         "frequency_penalty": _float(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
         "seed": _int(body, "seed", None, lo=SEED_MIN, hi=SEED_MAX),
@@ -243,7 +251,7 @@ def _message(i: int, m: Any) -> dict[str, str]:
     return {"role": _ROLES[role], "content": content}
 
 
-def parse_chat(body: Any) -> ChatRequest:
+def parse_chat(body: Any, defaults: Mapping[str, float | int] = _NO_DEFAULTS) -> ChatRequest:
     body = _require_object(body)
     messages = body.get("messages")
     if not isinstance(messages, list):
@@ -258,13 +266,13 @@ def parse_chat(body: Any) -> ChatRequest:
     assert top_logprobs is not None
     if top_logprobs and not logprobs:
         raise _invalid("top_logprobs", "needs 'logprobs': true")
-    common = _common(body, default_max_tokens=None)  # chat: until eos or the context ends
+    common = _common(body, None, defaults)  # max_tokens None: until eos or the context ends
     if logprobs:
         common["sampling"]["logprobs"] = top_logprobs
     return ChatRequest(**common, messages=parsed, logprobs=logprobs, top_logprobs=top_logprobs)
 
 
-def parse_completion(body: Any) -> CompletionRequest:
+def parse_completion(body: Any, defaults: Mapping[str, float | int] = _NO_DEFAULTS) -> CompletionRequest:
     body = _require_object(body)
     prompt = body.get("prompt")
     prompts: list[str | list[int]]
@@ -289,7 +297,7 @@ def parse_completion(body: Any) -> CompletionRequest:
     if _str(body, "suffix", None):
         raise APIError(400, "'suffix' is not supported", param="suffix", code="unsupported")
     logprobs = _int(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
-    common = _common(body, default_max_tokens=16)  # OpenAI's completions default
+    common = _common(body, 16, defaults)  # max_tokens 16: OpenAI's completions default
     if len(prompts) * common["n"] > MAX_N:
         raise _invalid("prompt", f"a batch of {len(prompts)} prompts x n={common['n']} exceeds {MAX_N} choices")
     if logprobs is not None:

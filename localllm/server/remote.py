@@ -86,8 +86,9 @@ class _Tally:
 
 
 class RemoteEngine:
-    """Same interface as ``AsyncEngine``: ``generate``, ``stats``, ``abort``, ``shutdown`` and
-    ``tokenizer`` (None: the server tokenizes). Construction asks ``/v1/models`` for the model
+    """Same interface as ``AsyncEngine``: ``generate``, ``stats``, ``abort``, ``shutdown``,
+    ``sampling_defaults`` (as the server reports them; empty if it does not) and ``tokenizer``
+    (None: the server tokenizes). Construction asks ``/v1/models`` for the model
     (the first one listed unless ``model`` is given) and fails with a one-line
     ``LocalLLMError`` if the server cannot be reached or refuses the key."""
 
@@ -97,6 +98,7 @@ class RemoteEngine:
         self.endpoint = normalize_endpoint(endpoint)
         self.api_key = api_key
         self.max_model_len: int | None = None
+        self.sampling_defaults: dict[str, float | int] = {}  # what the server reports; localllm serve does
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._ssl = ssl.create_default_context()  # built once: it costs ~10 ms per client
         self._clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
@@ -134,6 +136,8 @@ class RemoteEngine:
                                 "; name one with --model")
         if entry is not None and isinstance(entry.get("max_model_len"), int):
             self.max_model_len = entry["max_model_len"]  # vLLM and localllm serve report it
+        if entry is not None and isinstance(entry.get("sampling_defaults"), dict):
+            self.sampling_defaults = _sampling_defaults(entry["sampling_defaults"])
         return wanted or entry["id"]  # type: ignore[index]
 
     def _client(self) -> httpx.AsyncClient:
@@ -351,6 +355,14 @@ def _parse_chunk(chunk: dict[str, Any], chat: bool) -> tuple[str, str | None, st
     return str(delta), finish, stop, usage if isinstance(usage, dict) else {}
 
 
+def _sampling_defaults(reported: dict[str, Any]) -> dict[str, float | int]:
+    """The keys of a server's reported defaults that SamplingParams knows, with numeric values."""
+    from localllm.catalog import SAMPLING_KEYS
+
+    return {k: kind(v) for k, kind in SAMPLING_KEYS.items()
+            if isinstance(v := reported.get(k), (int, float)) and not isinstance(v, bool)}
+
+
 def _int(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
@@ -374,7 +386,7 @@ def run_remote(args: argparse.Namespace) -> int:
     from localllm.commands import sampling_from_args
 
     engine = RemoteEngine(args.endpoint, api_key=args.api_key, model=args.model)
-    params = sampling_from_args(args, default_temperature=0.0 if args.raw else 0.7)
+    params = sampling_from_args(args, engine.sampling_defaults)
     if args.raw:
         prompt: Prompt = args.prompt
     else:

@@ -238,6 +238,9 @@ class ChatApp(App[None]):
         self.loading = False
         self._engine_ready.set()
         self.notify(f"Loaded {self.model_name}")
+        note = getattr(engine.tokenizer, "template_note", None)  # a remote engine has no tokenizer
+        if note:
+            self.notify(note, severity="warning", timeout=15)
         self.refresh_status()
         self._after_load()
 

@@ -23,7 +23,7 @@ SCRIPT = textwrap.dedent('''
     hw = Hardware(cpu=CPUInfo("test", 2, 2, flags, "x86_64"), ram_total_bytes=16 * GiB,
                   ram_available_bytes=8 * GiB)
     m = load_catalog()["smollm2-135m-instruct"]
-    p = plan(m, hw)
+    p = plan(m, hw, cpu_compile=False)  # the synthetic forward runs eagerly
     wd = getattr(torch, p.weight_dtype)
     H, nh, nkv, hd, I, V = m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim, m.intermediate_size, m.vocab_size
     T = p.max_num_batched_tokens

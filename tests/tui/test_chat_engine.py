@@ -146,3 +146,25 @@ async def test_an_error_stays_in_its_tab(engine):
         await send(pilot, fine, "Hi!")
         await wait_until(pilot, lambda: not fine.generating, what="the reply")
         assert fine.turns[-1].role == "assistant" and fine.turns[-1].content
+
+
+async def test_a_gguf_without_chat_template_is_noted_and_still_chats(tmp_path: Path):
+    from localllm.engine.async_engine import AsyncEngine
+    from localllm.engine.engine import EngineConfig, LLMEngine
+    from tests.models.gguf_files import random_llama_weights, spm_vocab, train_sentencepiece, write_llama_gguf
+
+    vocab = spm_vocab(train_sentencepiece("bpe"))
+    path = write_llama_gguf(tmp_path / "plain.gguf", *vocab, random_llama_weights(len(vocab[0])))[0]
+
+    def factory(model, progress):
+        return AsyncEngine(LLMEngine(EngineConfig(model=str(path), dtype="float32", device="cpu", max_model_len=128),
+                                     progress=progress))
+
+    app = ChatApp(engine_factory=factory, probe=False, default_params=SHORT)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: app.engine is not None, what="the load")
+        assert any("no chat template" in n.message for n in app._notifications)
+        chat = app.active_chat
+        await send(pilot, chat, "Hi!")
+        await wait_until(pilot, lambda: not chat.generating, what="the reply")
+        assert chat.turns[-1].role == "assistant" and not chat.messages.query(".error")

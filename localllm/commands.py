@@ -86,8 +86,10 @@ def read_json_schema(path: str) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     from localllm.engine.sequence import SamplingParams
 
-    # Bad flags fail now, not after the model has loaded.
+    # Bad flags (and a bad --json-schema file) fail now, not after the model has loaded.
     SamplingParams(**_given_sampling(args), max_tokens=args.max_tokens, seed=args.seed)
+    if getattr(args, "json_schema", None):
+        read_json_schema(args.json_schema)
     if args.endpoint:
         from localllm.server.remote import run_remote
 

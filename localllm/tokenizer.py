@@ -199,7 +199,7 @@ class Tokenizer:
         from jinja2 import TemplateSyntaxError, meta
 
         try:
-            ast = ImmutableSandboxedEnvironment().parse(self.chat_template or CHATML_TEMPLATE)
+            ast = ImmutableSandboxedEnvironment().parse(self.chat_template or self._fallback_template())
         except TemplateSyntaxError:
             return False
         return "tools" in meta.find_undeclared_variables(ast)

@@ -9,12 +9,9 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from importlib.metadata import PackageNotFoundError, version
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from localllm.errors import LocalLLMError
-
-if TYPE_CHECKING:
-    from rich.console import Console
 
 
 def _version() -> str:
@@ -184,19 +181,6 @@ def build_parser() -> argparse.ArgumentParser:
     for register in _COMMANDS:
         _lazy(register)(sub)  # type: ignore[arg-type]
     return parser
-
-
-def stdout_console(**options: Any) -> Console:
-    """A rich Console on stdout whose broken pipe (``localllm models | head``) raises
-    BrokenPipeError, which ``main`` ends quietly; rich's own handler exits with status 1."""
-    from rich.console import Console
-
-    class _PipeConsole(Console):
-        def on_broken_pipe(self) -> None:
-            self.quiet = True
-            raise BrokenPipeError
-
-    return _PipeConsole(**options)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -205,7 +205,7 @@ def models(args: argparse.Namespace) -> int:
         return 0
     from rich.table import Table
 
-    from localllm.cli import stdout_console
+    from localllm.console import stdout_console
 
     table = Table(title=f"models (store: {store.models_dir()})")
     for col in ("id", "params", "status", "path"):

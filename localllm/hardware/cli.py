@@ -189,7 +189,7 @@ def _row(
 def _render(doc: dict[str, Any], hw: Hardware, args: argparse.Namespace) -> None:
     from rich.table import Table
 
-    from localllm.cli import stdout_console
+    from localllm.console import stdout_console
     from localllm.hardware.planner import CPU_RAM_FRACTION, fmt_bytes
 
     console = stdout_console(width=None if sys.stdout.isatty() else 200, soft_wrap=False, highlight=False)

@@ -224,7 +224,7 @@ class Tokenizer:
             for key, value in m.items():
                 if isinstance(value, str):
                     check_text(value, f"a chat message's {key}")
-        rendered = self._render(list(messages), add_generation_prompt)
+        rendered = self._render(list(messages), add_generation_prompt, tools)
         last = next((m["content"].strip() for m in reversed(messages)
                      if m["role"] == "user" and isinstance(m["content"], str) and m["content"].strip()), None)
         if last is None or last in rendered:
@@ -233,13 +233,13 @@ class Tokenizer:
         # without the text. The same conversation as text parts is what they expect.
         parts = [{**m, "content": [{"type": "text", "text": m["content"]}]} if isinstance(m["content"], str) else m
                  for m in messages]
-        rendered = self._render(parts, add_generation_prompt)
+        rendered = self._render(parts, add_generation_prompt, tools)
         if last not in rendered:
             raise LocalLLMError("the model's chat template leaves the user's message out of the prompt; "
                                 "send a raw prompt instead (--raw, or /v1/completions)")
         return rendered
 
-    def _render(self, messages: list[Any], add_generation_prompt: bool) -> str:
+    def _render(self, messages: list[Any], add_generation_prompt: bool, tools: list[dict[str, Any]] | None) -> str:
         try:
             return self._template.render(
                 messages=messages,

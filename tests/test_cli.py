@@ -154,9 +154,9 @@ def test_run_takes_the_models_sampling_defaults_under_the_flags_given() -> None:
     proc = cli("run", "--json", "--max-tokens", "2", "--top-k", "5", "Hi")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
-    assert report["sampling_defaults"] == {"temperature": 0.1, "top_p": 0.8}  # models.toml
+    assert report["sampling_defaults"] == {"temperature": 0.2, "top_p": 0.5}  # models.toml
     sampling = report["sampling"]
-    assert (sampling["temperature"], sampling["top_p"], sampling["top_k"]) == (0.1, 0.8, 5)
+    assert (sampling["temperature"], sampling["top_p"], sampling["top_k"]) == (0.2, 0.5, 5)
     proc = cli("run", "--json", "--max-tokens", "2", "--temperature", "0.5", "--top-p", "1", "Hi")
     sampling = json.loads(proc.stdout)["sampling"]
     assert (sampling["temperature"], sampling["top_p"], sampling["top_k"]) == (0.5, 1.0, -1)

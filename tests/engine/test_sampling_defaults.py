@@ -76,7 +76,7 @@ def test_which_catalog_entry_a_model_is(tmp_path: Path, default_model_path: Path
 def test_the_file_wins_over_the_catalog_for_the_keys_it_sets(tmp_path: Path) -> None:
     folder = tmp_path / "smollm2"
     _write(folder, {"top_p": 0.95, "min_p": 0.05, "bos_token_id": 1})
-    assert sampling_defaults(folder, DEFAULT_MODEL) == {"temperature": 0.1, "top_p": 0.95, "min_p": 0.05}
+    assert sampling_defaults(folder, DEFAULT_MODEL) == {"temperature": 0.2, "top_p": 0.95, "min_p": 0.05}
     assert sampling_defaults(tmp_path / "other.gguf", str(tmp_path / "other.gguf")) == {}
 
 

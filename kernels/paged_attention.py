@@ -23,13 +23,15 @@ The Triton path is one kernel, ``_paged_attention_kernel``, launched up to twice
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.nn.functional as F
 
 from localllm.kernels._triton import (
-    INTERPRET,
     capability,
     dot_fp32,
+    gpu_tiles,
     next_power_of_2,
     num_sms,
     scale_tensor,
@@ -37,6 +39,7 @@ from localllm.kernels._triton import (
     triton,
     use_triton,
 )
+from localllm.kernels import cpu_ops
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 ScaleArg = float | torch.Tensor | None
@@ -59,6 +62,78 @@ def _dequant(kv: torch.Tensor, scale: ScaleArg, dtype: torch.dtype) -> torch.Ten
         return kv
     kv = kv.to(dtype)
     return kv if scale is None else kv * (scale.to(dtype) if isinstance(scale, torch.Tensor) else scale)
+
+
+def _prefill_rows(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    seqs: Iterable[int],
+    k_scale: ScaleArg = None,
+    v_scale: ScaleArg = None,
+) -> None:
+    """Fills ``out``'s rows of sequences ``seqs`` with one SDPA call each: the O(n) gather of a
+    sequence's context is cheap next to its O(n^2) prefill work."""
+    starts = query_start_loc.tolist()
+    lens_list = seq_lens.tolist()
+    block_size = k_cache.shape[1]
+    fp8 = k_cache.dtype in FP8_DTYPES
+    for b in seqs:
+        qs, qe, kv_len = starts[b], starts[b + 1], lens_list[b]
+        n_q = qe - qs
+        if n_q == 0:
+            continue
+        blocks = block_tables[b, : -(-kv_len // block_size)]
+        k = _gather_blocks(k_cache, blocks)[:kv_len].transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
+        v = _gather_blocks(v_cache, blocks)[:kv_len].transpose(0, 1).unsqueeze(0)
+        if fp8:
+            k, v = _dequant(k, k_scale, q.dtype), _dequant(v, v_scale, q.dtype)
+        qb = q[qs:qe].transpose(0, 1).unsqueeze(0).to(k.dtype)  # [1, H, n_q, D]
+        if n_q == kv_len:
+            o = F.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            mask = torch.ones(n_q, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - n_q)
+            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[qs:qe] = o.squeeze(0).transpose(0, 1).to(q.dtype)
+
+
+# Sequences with at most this many new tokens (decodes, short extends over a cached prefix)
+# take the in-place C++ kernel on CPU; longer prefills gather once and run SDPA, whose
+# blocked matmuls win once the O(n^2) work dominates.
+CPU_INPLACE_MAX_Q = 16
+
+
+@torch.library.custom_op("localllm::paged_attention_cpu", mutates_args=())
+def paged_attention_cpu(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The CPU path for an fp32 cache once ``cpu_ops.load()`` succeeded: the C++ kernel reads
+    each short sequence's blocks where they lie; the remaining (long prefill) rows go through
+    ``_prefill_rows``. One custom op, so torch.compile sees one opaque call per layer."""
+    out = torch.ops.localllm_cpu.paged_attention(
+        q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, CPU_INPLACE_MAX_Q
+    )
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    long = (q_lens > CPU_INPLACE_MAX_Q).nonzero().flatten().tolist()
+    if long:
+        _prefill_rows(out, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, long)
+    return out
+
+
+@paged_attention_cpu.register_fake
+def _(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale):  # type: ignore[no-untyped-def]
+    return torch.empty_like(q)
 
 
 def paged_attention_ref(
@@ -103,25 +178,8 @@ def paged_attention_ref(
         out[:num_decodes] = o.reshape(num_decodes, num_heads, head_dim).to(q.dtype)
     if num_decodes == seq_lens.shape[0]:
         return out
-    starts = query_start_loc.tolist()
-    lens_list = seq_lens.tolist()
-    for b in range(num_decodes, len(lens_list)):
-        qs, qe, kv_len = starts[b], starts[b + 1], lens_list[b]
-        n_q = qe - qs
-        if n_q == 0:
-            continue
-        blocks = block_tables[b, : -(-kv_len // block_size)]
-        k = _gather_blocks(k_cache, blocks)[:kv_len].transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
-        v = _gather_blocks(v_cache, blocks)[:kv_len].transpose(0, 1).unsqueeze(0)
-        if fp8:
-            k, v = _dequant(k, k_scale, q.dtype), _dequant(v, v_scale, q.dtype)
-        qb = q[qs:qe].transpose(0, 1).unsqueeze(0).to(k.dtype)  # [1, H, n_q, D]
-        if n_q == kv_len:
-            o = F.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=scale, enable_gqa=True)
-        else:
-            mask = torch.ones(n_q, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - n_q)
-            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[qs:qe] = o.squeeze(0).transpose(0, 1).to(q.dtype)
+    _prefill_rows(out, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
+                  range(num_decodes, seq_lens.shape[0]), k_scale, v_scale)
     return out
 
 
@@ -347,7 +405,7 @@ def _tile_config(
     cache needing 64 rows to stay spill-free.
     """
     min_rows = max(16, next_power_of_2(qpkv))
-    if INTERPRET or not q.is_cuda:
+    if not gpu_tiles(q):
         # Under the interpreter a bigger tile costs less (numpy ops), but tests pin sizes.
         return (min_rows, 32, 4, 1) if decode else (max(min_rows, 32), 32, 4, 1)
     if decode:
@@ -494,6 +552,12 @@ def paged_attention(
             q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, num_decodes,
             k_scale, v_scale,
         )  # fmt: skip
+    if cpu_ops.usable(q, k_cache):
+        if num_decodes == q.shape[0]:  # all one-token rows: the C++ kernel alone, no Python around it
+            return torch.ops.localllm_cpu.paged_attention(
+                q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, 1
+            )
+        return paged_attention_cpu(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
     return paged_attention_ref(
         q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, num_decodes,
         k_scale, v_scale,

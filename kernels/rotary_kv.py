@@ -19,6 +19,7 @@ from localllm.kernels._triton import (
     triton,
     use_triton,
 )
+from localllm.kernels import cpu_ops
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 ScaleArg = float | torch.Tensor | None
@@ -253,6 +254,13 @@ def rotary_and_store_kv(
         return rotary_and_store_kv_triton(
             q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale
         )
+    if cpu_ops.usable(q, k_cache):
+        # rotary in torch (torch.compile fuses it with its neighbours), the cache write in C++:
+        # it skips padding slots without the host sync the reference's mask needs.
+        cos, sin = cos_sin_cache[positions].float().unsqueeze(1).chunk(2, dim=-1)
+        k_rot = _rotate(k.float(), cos, sin)
+        torch.ops.localllm_cpu.store_kv(k_rot, v.float(), k_cache, v_cache, slot_mapping)
+        return _rotate(q, cos, sin)
     return rotary_and_store_kv_ref(
         q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale
     )

@@ -36,12 +36,23 @@ class LLM:
     ) -> None:
         """``engine_options`` are ``EngineConfig`` fields: dtype, device, quant, max_model_len,
         max_num_seqs, max_num_batched_tokens, block_size, num_kv_blocks, enable_prefix_caching,
-        gpu_memory_utilization, use_cuda_graphs."""
+        gpu_memory_utilization, use_cuda_graphs, kv_cache_dtype ("auto", "fp8"/"fp8_e4m3") and
+        calculate_kv_scales (FP8 scales from a calibration prompt instead of 1.0)."""
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options), progress)
 
     @property
     def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The model's sampling defaults (generation_config.json or its models.toml entry) over
+        SamplingParams' own: what ``generate`` and ``chat`` use when given no params."""
+        return SamplingParams(**self.engine.sampling_defaults)
+
+    def _params(
+        self, given: SamplingParams | Sequence[SamplingParams] | None
+    ) -> SamplingParams | Sequence[SamplingParams]:
+        return self.get_default_sampling_params() if given is None else given
 
     def generate(
         self,
@@ -51,7 +62,7 @@ class LLM:
         """Text prompts are raw completions (no chat template); token-id lists go in as is."""
         if isinstance(prompts, str):
             prompts = [prompts]
-        return self.engine.generate(list(prompts), sampling_params)
+        return self.engine.generate(list(prompts), self._params(sampling_params))
 
     def chat(
         self,
@@ -63,4 +74,4 @@ class LLM:
             conversations: list[Prompt] = [list(messages)]  # type: ignore[list-item]
         else:
             conversations = [list(c) for c in messages]  # type: ignore[arg-type]
-        return self.engine.generate(conversations, sampling_params)
+        return self.engine.generate(conversations, self._params(sampling_params))

@@ -14,6 +14,10 @@ Workloads:
 - ``rag``: a shared 3,000-token system prompt, then short questions one at a time;
   TTFT of the later questions against the first (which pays the prefill).
 - ``multiturn``: one 10-turn chat; TTFT of turn 10 against turn 2.
+- ``guided`` (only when asked for): structured output's cost per decode step. N = 1 and 16
+  chats decode the same number of tokens, once free and once under a JSON schema that cannot
+  end sooner; inter-token latency (one step) and throughput of each, and the ratio (target:
+  the grammar costs at most 10% of decode throughput).
 
 ``--compare static,sequential`` reruns the chat requests with static batching (batches of N
 start together, every row is padded to the batch's longest reply, and the next batch waits
@@ -50,8 +54,16 @@ if TYPE_CHECKING:
     from localllm.engine.async_engine import AsyncEngine
     from localllm.engine.engine import LLMEngine, Prompt
     from localllm.server.remote import RemoteEngine
+    from localllm.tokenizer import Tokenizer
 
 WORKLOADS = ("chats", "rag", "multiturn")
+EXTRA_WORKLOADS = ("guided",)  # run only when named
+GUIDED_BATCHES = (1, 16)
+GUIDED_TOKENS = 128
+# JSON strings are where a mask is dearest (most of the vocabulary is allowed); 1,000 items
+# cannot be written within the run, so every request decodes all its tokens under the grammar
+GUIDED_SCHEMA = {"type": "object", "properties": {"notes": {
+    "type": "array", "items": {"type": "string", "maxLength": 48}, "minItems": 1000}}, "required": ["notes"]}
 MIXES = ("mixed", "straggler")
 COMPARE_MODES = ("static", "sequential", "nocache")
 MIXED_LENGTHS = (32, 64, 128, 256, 512, 1024)
@@ -98,6 +110,7 @@ class BenchOptions:
 class BenchRequest:
     prompt: Prompt  # chat messages, text, or token ids
     max_tokens: int
+    guided_json: dict[str, Any] | None = None  # constrain the reply to this schema
 
 
 @dataclass(slots=True)
@@ -229,7 +242,8 @@ async def _one(target: _Target, req: BenchRequest, rid: str, pad_to: int | None 
     output; its latency still runs to the padded end, when a static batch hands results back."""
     from localllm.engine.sequence import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max(req.max_tokens, pad_to or 0), ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max(req.max_tokens, pad_to or 0), ignore_eos=True,
+                            guided_json=req.guided_json)
     t0 = time.monotonic()
     final = None
     async for out in target.engine.generate(req.prompt, params, rid):
@@ -426,6 +440,11 @@ def chat_requests(n: int, mix: str, rounds: int, scale: float, nonce: str) -> li
 
 def document(target: _Target, tokens: int, nonce: str) -> str:
     """Pseudo-prose of about ``tokens`` tokens; exact when the tokenizer is at hand."""
+    return prose(tokens, nonce, target.llm.tokenizer if target.llm is not None else None)
+
+
+def prose(tokens: int, nonce: str, tokenizer: Tokenizer | None = None) -> str:
+    """``document``'s text for a caller that holds a tokenizer but no engine (bench/peers.py)."""
     rng = random.Random(42)
     sentences = []
     words = 0
@@ -434,9 +453,8 @@ def document(target: _Target, tokens: int, nonce: str) -> str:
         sentences.append(" ".join(rng.choice(_DOC_WORDS) for _ in range(k)).capitalize() + ".")
         words += k
     text = f"Document {nonce}. " + " ".join(sentences)
-    if target.llm is not None:
-        tok = target.llm.tokenizer
-        return tok.decode(tok.encode(text, add_special_tokens=False)[:tokens])
+    if tokenizer is not None:
+        return tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)[:tokens])
     return " ".join(text.split()[: int(tokens / 1.1)])
 
 
@@ -534,11 +552,42 @@ async def bench_multiturn(target: _Target, opts: BenchOptions, nonce: str) -> di
     return result
 
 
+# ---- constrained against free decoding ----
+
+async def bench_guided(target: _Target, opts: BenchOptions, nonce: str) -> list[dict[str, Any]]:
+    """Per batch size: the same chats free and constrained, alternated twice so that load
+    drift hits both modes; the best run of each. The grammar is compiled (and its lexer
+    warmed) by a short request first, as a server's cache would hold it."""
+    tokens = _scaled(GUIDED_TOKENS, opts.scale)
+    await _one(target, BenchRequest([{"role": "user", "content": f"[{nonce}] notes"}], 4, GUIDED_SCHEMA),
+               f"bench-guided-warmup-{nonce}")
+    rows = []
+    for n in GUIDED_BATCHES:
+        best: dict[str, RunMetrics] = {}
+        for rnd in range(2):
+            for mode, schema in (("free", None), ("guided", GUIDED_SCHEMA)):
+                reqs = [BenchRequest([{"role": "user", "content": f"[{nonce}-{rnd}-{mode}-{i}] Take notes about "
+                                                                  f"{TOPICS[i % len(TOPICS)]}, as JSON."}],
+                                     tokens, schema) for i in range(n)]
+                _say(opts, f"guided N={n}: {mode} ({n} requests x {tokens} tokens, run {rnd + 1} of 2)")
+                target.reset_cache()
+                m, _ = await run_continuous(target, reqs, n)
+                if mode not in best or m.output_tok_s > best[mode].output_tok_s:
+                    best[mode] = m
+        free, guided = best["free"], best["guided"]
+        rows.append({
+            "n": n, "tokens": tokens, "free": asdict(free), "guided": asdict(guided),
+            "itl_guided_over_free": _ratio(guided.itl_p50_s, free.itl_p50_s),
+            "throughput_guided_over_free": _ratio(guided.output_tok_s, free.output_tok_s),
+        })
+    return rows
+
+
 # ---- batch-1 decode: the engine against a plain loop ----
 
 def plain_greedy(llm: LLMEngine, prompt_ids: list[int], n_tokens: int) -> tuple[list[int], float]:
-    """Greedy decode straight on the model runner's model and KV pool: one sequence, a
-    contiguous block table, argmax; no scheduler, sampler or detokenizer. Returns the tokens
+    """Greedy decode straight on the model runner's model (compiled where the engine's is) and
+    KV pool: one sequence, a contiguous block table, argmax; no scheduler, sampler or detokenizer. Returns the tokens
     and the decode rate (tokens after the first, per second). The engine must be idle: the
     blocks come from its block manager and go back to it unhashed."""
     import torch
@@ -572,8 +621,8 @@ def plain_greedy(llm: LLMEngine, prompt_ids: list[int], n_tokens: int) -> tuple[
             for i in range(p, total - 1):
                 meta = AttentionMetadata(slots[i : i + 1], qsl, torch.tensor([i + 1], dtype=torch.int32, device=dev),
                                          table, 1)
-                hidden = model(torch.tensor([token], dtype=torch.int64, device=dev), pos[i : i + 1], meta)
-                token = int(model.compute_logits(hidden).argmax(-1))  # int(): syncs, as the engine does
+                logits = runner.decode_logits(torch.tensor([token], dtype=torch.int64, device=dev), pos[i : i + 1], meta)
+                token = int(logits.argmax(-1))  # int(): syncs, as the engine does
                 tokens.append(token)
             elapsed = time.monotonic() - t0
     finally:
@@ -641,6 +690,8 @@ async def run_bench(engine: AsyncEngine | RemoteEngine, opts: BenchOptions) -> d
         report["rag"] = await bench_rag(target, opts, nonce)
     if "multiturn" in opts.workloads:
         report["multiturn"] = await bench_multiturn(target, opts, nonce)
+    if "guided" in opts.workloads:
+        report["guided"] = await bench_guided(target, opts, nonce)
     report["bench_wall_s"] = round(time.monotonic() - started, 2)
     return report
 
@@ -694,6 +745,12 @@ def format_report(r: dict[str, Any]) -> str:
             lines.append(_mode_line(name, m))
             lines.append("    TTFT by turn (s): " + " ".join(_fmt(t, nd=3) for t in m["ttft_by_turn_s"])
                          + f" -> last/turn 2 {m['ttft_last_over_turn2']} (target <= 1.5)")
+    for row in r.get("guided", []):
+        f, g = row["free"], row["guided"]
+        lines += ["", f"guided N={row['n']}: JSON-schema decoding against free, {row['tokens']} tokens each", _HEADER,
+                  _mode_line("free", f), _mode_line("guided", g),
+                  f"    step (ITL p50) guided/free {row['itl_guided_over_free']}x, throughput guided/free "
+                  f"{row['throughput_guided_over_free']}x (target >= 0.9)"]
     lines.append(f"\n(bench wall time {r['bench_wall_s']:.0f} s; TTFT in s; peak KV = share of the pool held)")
     return "\n".join(lines)
 
@@ -728,11 +785,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "bench", help="throughput and latency: concurrent chats, shared-prefix RAG, multi-turn",
         description="Benchmarks the local engine, or any OpenAI-compatible server with --endpoint.",
+        # peers.py lives in the source tree, not the wheel: it builds llama.cpp with cmake
+        epilog="Against llama.cpp on the same GGUF, in one run with ratios: python bench/peers.py "
+               "(in a source checkout; --help there).",
     )
     add_model_arg(p)
     p.add_argument("--endpoint", default=None, help="benchmark this OpenAI-compatible server instead")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--workload", type=_csv(str, WORKLOADS), default=WORKLOADS, help="default chats,rag,multiturn")
+    p.add_argument("--api-key", default=None, help="bearer token for --endpoint")
+    p.add_argument("--workload", type=_csv(str, WORKLOADS + EXTRA_WORKLOADS), default=WORKLOADS,
+                   help="default chats,rag,multiturn; guided (constrained against free decoding) when named")
     p.add_argument("--chats", type=_positive_ints, default=(1, 4, 16, 64), help="concurrent chats N (default 1,4,16,64)")
     p.add_argument("--mix", type=_csv(str, MIXES), default=MIXES, help="chat output-length mixes (default mixed,straggler)")
     p.add_argument("--compare", type=_csv(str, COMPARE_MODES), default=(),

@@ -27,6 +27,11 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 
 QUANT_KINDS = ("awq", "fp8", "gguf")
 SOURCE_KINDS = ("hf", "pypi")
+# The sampling defaults a model may set (a ``sampling`` table in models.toml, or its
+# generation_config.json), by SamplingParams name, with the type each holds.
+SAMPLING_KEYS: dict[str, type] = {
+    "temperature": float, "top_p": float, "top_k": int, "min_p": float, "repetition_penalty": float,
+}
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -62,6 +67,8 @@ class CatalogEntry:
     notes: str
     # Where the config.json figures were read; informational, so it may be empty.
     config_source: str = field(default="")
+    # Sampling defaults for this model (SAMPLING_KEYS only); the engine validates the ranges.
+    sampling: dict[str, float | int] = field(default_factory=dict)
 
 
 _cache: dict[Path, dict[str, CatalogEntry]] = {}
@@ -213,7 +220,22 @@ def _parse_entry(path: Path, index: int, table: Any) -> CatalogEntry:
         sources=sources,
         notes=f.text("notes", default=""),
         config_source=f.text("config_source", default=""),
+        sampling=_parse_sampling(f),
     )
+
+
+def _parse_sampling(f: _Fields) -> dict[str, float | int]:
+    raw = f.get("sampling", dict, default={})
+    values: dict[str, float | int] = {}
+    for key, value in raw.items():
+        kind = SAMPLING_KEYS.get(key)
+        if kind is None:
+            raise f.fail(f"sampling.{key}", f"unknown sampling key; use {', '.join(SAMPLING_KEYS)}")
+        # TOML writes 1 and 1.0 differently; a float key takes either, an int key only an integer.
+        if isinstance(value, bool) or not isinstance(value, int if kind is int else (int, float)):
+            raise f.fail(f"sampling.{key}", f"expected {'an integer' if kind is int else 'a number'}, got {value!r}")
+        values[key] = kind(value)
+    return values
 
 
 def _parse_source(f: _Fields, index: int, raw: Any) -> ModelSource:

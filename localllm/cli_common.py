@@ -1,13 +1,18 @@
 """What the subcommands share, importable without torch: the model, sampling and engine
-argument groups, their conversion to ``EngineConfig`` and ``SamplingParams``, and the
-loading progress bar. The engine types are imported only when a conversion runs."""
+argument groups, their conversion to ``EngineConfig`` and ``SamplingParams`` (the model's
+sampling defaults under the flags given, a ``--json-schema`` file), and the loading progress
+bar. The engine types are imported only when a conversion runs."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from localllm.errors import LocalLLMError
 
 if TYPE_CHECKING:
     from localllm.engine.engine import EngineConfig
@@ -17,6 +22,7 @@ if TYPE_CHECKING:
 Progress = Callable[[str, int, int], None]
 
 MODEL_HELP = "catalog name, HF repo id, local HF folder or .gguf file (default: the embedded default)"
+QUANT_METHODS = "{quant methods}"  # filled in from localllm.quant.methods.METHODS when help is shown
 
 
 def add_model_arg(p: argparse.ArgumentParser, help: str = MODEL_HELP) -> None:  # noqa: A002 - argparse's name
@@ -24,19 +30,42 @@ def add_model_arg(p: argparse.ArgumentParser, help: str = MODEL_HELP) -> None:  
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default 0.7 for chat, 0 for --raw)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--max-tokens", type=int, default=512)
-    p.add_argument("--seed", type=int, default=None)
+    # None = not given: the model's own default applies (see LLMEngine.sampling_defaults)
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0 = greedy (default: the model's, else 0.7; 0 with --raw)")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="sample from the smallest set of tokens whose probability reaches P (default: the model's, "
+                        "else 1 = off)")
+    p.add_argument("--top-k", type=int, default=None,
+                   help="sample from the K most likely tokens (default: the model's, else -1 = off)")
+    p.add_argument("--min-p", type=float, default=None,
+                   help="drop tokens less likely than P x the top token (default: the model's, else 0 = off)")
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help="> 1 discourages repeating earlier tokens (default: the model's, else 1 = off)")
+    p.add_argument("--max-tokens", type=int, default=512, help="most tokens to generate (default 512)")
+    p.add_argument("--seed", type=int, default=None, help="seed for sampling: the same seed, the same reply")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
-    p.add_argument("--quant", default=None, help="online weight quantization: int8, fp8, awq, rtn4 (default: the plan's)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                   help="float dtype of weights and compute (auto: the plan's, see `localllm probe`)")
+    p.add_argument("--quant", default=None,
+                   help=f"online weight quantization: none, {QUANT_METHODS} (default: the plan's)")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit per sequence")
     p.add_argument("--device", default=None, help="cpu or cuda (default: the best available)")
+    p.add_argument("--no-compile", action="store_true",
+                   help="CPU: run the decode step eagerly instead of through torch.compile (also LOCALLLM_NO_COMPILE=1)")
+    add_kv_cache_args(p)
+
+
+def add_kv_cache_args(p: argparse.ArgumentParser) -> None:
+    from localllm.hardware.sizing import KV_CACHE_DTYPES  # no torch
+
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="KV cache storage: auto (the plan's: 16-bit, fp8 on sm89+ GPUs only where 16-bit does not"
+                        " fit; fp32 on CPU) or fp8 (e4m3, half a 16-bit cache)")
+    p.add_argument("--calculate-kv-scales", action="store_true",
+                   help="fp8 KV cache: per-layer scales from a calibration prompt at start-up instead of 1.0")
 
 
 def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
@@ -44,18 +73,52 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> Engin
     ``EngineConfig`` fields (and may replace those)."""
     from localllm.engine.engine import EngineConfig
 
-    fields: dict[str, Any] = dict(model=args.model, dtype=args.dtype, device=args.device, quant=args.quant,
-                                  max_model_len=args.max_model_len)
+    fields: dict[str, Any] = dict(
+        model=args.model, dtype=args.dtype, device=args.device, quant=args.quant, max_model_len=args.max_model_len,
+        compile=not args.no_compile, kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,
+    )
     return EngineConfig(**{**fields, **overrides})
 
 
-def sampling_from_args(args: argparse.Namespace, default_temperature: float) -> SamplingParams:
+def given_sampling(args: argparse.Namespace) -> dict[str, Any]:
+    """The sampling flags the user gave (SAMPLING_KEYS; a flag left out is None)."""
+    from localllm.catalog import SAMPLING_KEYS
+
+    return {k: v for k in SAMPLING_KEYS if (v := getattr(args, k)) is not None}
+
+
+def check_sampling_args(args: argparse.Namespace) -> None:
+    """Bad sampling flags (and a bad --json-schema file) fail at once, before a model loads."""
     from localllm.engine.sequence import SamplingParams
 
-    return SamplingParams(
-        temperature=default_temperature if args.temperature is None else args.temperature,
-        top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, max_tokens=args.max_tokens, seed=args.seed,
-    )
+    SamplingParams(**given_sampling(args), max_tokens=args.max_tokens, seed=args.seed)
+    if getattr(args, "json_schema", None):
+        read_json_schema(args.json_schema)
+
+
+def sampling_from_args(args: argparse.Namespace, model_defaults: Mapping[str, float | int]) -> SamplingParams:
+    """The flags the user gave, over the model's defaults, over run's own: temperature 0.7 for
+    a chat reply, 0 (greedy) for a --raw completion."""
+    from localllm.engine.sequence import SamplingParams
+
+    values = {"temperature": 0.0 if args.raw else 0.7, **model_defaults, **given_sampling(args)}
+    schema_file = getattr(args, "json_schema", None)
+    return SamplingParams(**values, max_tokens=args.max_tokens, seed=args.seed,
+                          guided_json=read_json_schema(schema_file) if schema_file else None)
+
+
+def read_json_schema(path: str) -> dict[str, Any]:
+    """A JSON schema file for ``--json-schema``; whether it compiles is the grammar engine's
+    to say, when the request is added."""
+    try:
+        schema = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise LocalLLMError(f"--json-schema {path}: cannot be read ({e.strerror or e})") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise LocalLLMError(f"--json-schema {path}: not valid JSON ({e})") from None
+    if not isinstance(schema, dict):
+        raise LocalLLMError(f"--json-schema {path}: a JSON schema is an object, this file holds something else")
+    return schema
 
 
 def progress_printer() -> Progress:

@@ -11,7 +11,7 @@ import time
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from localllm.cli_common import engine_config_from_args, progress_printer, sampling_from_args
+from localllm.cli_common import check_sampling_args, engine_config_from_args, progress_printer, sampling_from_args
 
 if TYPE_CHECKING:
     from localllm.engine.async_engine import AsyncEngine
@@ -23,8 +23,10 @@ if TYPE_CHECKING:
 
 def run(args: argparse.Namespace) -> int:
     """One reply, streamed to stdout (or a JSON report), from the local engine or an
-    ``--endpoint``: the same loop over the same engine interface either way."""
-    params = sampling_from_args(args, default_temperature=0.0 if args.raw else 0.7)
+    ``--endpoint``: the same loop over the same engine interface either way. Sampling flags
+    left out come from the engine's ``sampling_defaults`` (the model's, or what the server
+    reports)."""
+    check_sampling_args(args)  # bad flags fail now, not after the model has loaded
     if args.raw:
         prompt: Prompt = args.prompt
     else:
@@ -42,9 +44,12 @@ def run(args: argparse.Namespace) -> int:
         from localllm.engine.async_engine import AsyncEngine
 
         llm, meter = _load(args)
+        if not args.raw and llm.tokenizer.template_note:
+            print(f"localllm: note: {llm.tokenizer.template_note}", file=sys.stderr)
         engine = AsyncEngine(llm)
     load_s = time.monotonic() - started
     try:
+        params = sampling_from_args(args, engine.sampling_defaults)
         result = asyncio.run(_reply(engine, prompt, params, echo=not args.json))
         if llm is not None:
             meter.stop()
@@ -53,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.json:
         sys.stdout.write("\n")
         return 0
-    report = _report(result, engine.stats(), time.monotonic() - started)
+    report = _report(result, engine.stats(), params, engine.sampling_defaults, time.monotonic() - started)
     if remote is not None:
         report["endpoint"] = remote.endpoint
     if llm is not None:
@@ -90,8 +95,10 @@ async def _reply(engine: AsyncEngine | RemoteEngine, prompt: Prompt, params: Sam
     return final
 
 
-def _report(result: RequestOutput, stats: EngineStats, total_s: float) -> dict[str, Any]:
-    """What any engine can tell: the text, token counts and timings."""
+def _report(
+    result: RequestOutput, stats: EngineStats, params: SamplingParams, defaults: dict[str, float | int], total_s: float,
+) -> dict[str, Any]:
+    """What any engine can tell: the text, token counts, the sampling used and timings."""
     m = result.metrics
     c = result.outputs[0]
     n_out = len(c.token_ids)
@@ -106,6 +113,9 @@ def _report(result: RequestOutput, stats: EngineStats, total_s: float) -> dict[s
         "prompt_tokens": len(result.prompt_token_ids),
         "completion_tokens": n_out,
         "num_cached_tokens": result.num_cached_tokens,
+        "sampling": {k: getattr(params, k) for k in ("temperature", "top_p", "top_k", "min_p",
+                                                      "repetition_penalty", "max_tokens", "seed")},
+        "sampling_defaults": defaults,
         "timings": {
             "total_s": round(total_s, 4),
             "ttft_s": round(m.ttft, 4) if m.ttft is not None else None,
@@ -118,13 +128,14 @@ def _report(result: RequestOutput, stats: EngineStats, total_s: float) -> dict[s
 
 
 def _local_report(result: RequestOutput, llm: LLMEngine, meter: MemoryMeter) -> dict[str, Any]:
-    """What only the local engine knows: token ids, the plan, memory against it, its stats."""
+    """What only the local engine knows: token ids, the KV cache, the plan, memory against it, its stats."""
     from localllm.hardware.planner import compare_memory
 
     check = compare_memory(llm.plan, meter.actual_bytes)
     measured_by = "torch.cuda.max_memory_allocated" if llm.device.type == "cuda" else "RSS growth"
     stats = llm.stats()
     return {
+        "kv_cache": {"dtype": str(llm.kv_cache_dtype).removeprefix("torch."), "scales": llm.kv_scales},
         "prompt_token_ids": list(result.prompt_token_ids),
         "output_token_ids": list(result.outputs[0].token_ids),
         "memory": {**check.to_dict(), "measured_by": measured_by},
@@ -161,8 +172,9 @@ def models(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"models": rows, "models_dir": str(store.models_dir())}, indent=2))
         return 0
-    from rich.console import Console
     from rich.table import Table
+
+    from localllm.console import stdout_console
 
     table = Table(title=f"models (store: {store.models_dir()})")
     for col in ("id", "params", "status", "path"):
@@ -170,8 +182,8 @@ def models(args: argparse.Namespace) -> int:
     for r in rows:
         status = "local" if r["local_path"] else ("catalog" if r["supported"] else "catalog (unsupported)")
         params = f"{r['params'] / 1e9:.2f}B" if r["params"] else "?"
-        table.add_row(r["id"] + (" *" if r["default"] else ""), params, status, r["local_path"] or "")
-    Console().print(table)
+        table.add_row(r["id"] + (" (default)" if r["default"] else ""), params, status, r["local_path"] or "")
+    stdout_console().print(table)
     return 0
 
 

@@ -1,7 +1,7 @@
 """The local model store: resolving a name to files on disk, and pulling what is missing.
 
-Layout: ``models_dir()/<id>/`` holds either an HF folder or one ``.gguf`` file, plus a
-``.complete`` marker written last, so an interrupted pull is never mistaken for a model.
+Layout: ``models_dir()/<id>/`` holds an HF folder, one ``.gguf`` file or the shards of a split
+one, plus a ``.complete`` marker written last, so an interrupted pull is never mistaken for a model.
 """
 
 from __future__ import annotations
@@ -182,11 +182,12 @@ def _import_local(path: Path, progress: PullProgress | None = None) -> Path:
     if done is not None:
         _say(f"{path} is already in the store: {done}")
         return done
-    from localllm.models.loader import open_checkpoint
+    from localllm.models.loader import gguf_shards, open_checkpoint
 
     open_checkpoint(path)  # refuse to import something that would not load
     folder.mkdir(parents=True, exist_ok=True)
-    files = [path] if path.is_file() else [f for f in path.iterdir() if f.is_file()]
+    # A split GGUF brings its other shards (open_checkpoint checked that those it needs exist).
+    files = [f for f in (gguf_shards(path) if path.is_file() else path.iterdir()) if f.is_file()]
     total = sum(f.stat().st_size for f in files)
     with _progress() as bar:
         task = bar.add_task(f"copying {path.name}", total=total)
@@ -203,6 +204,7 @@ def _import_local(path: Path, progress: PullProgress | None = None) -> Path:
     (folder / _MARKER).write_text("local\n")
     result = _model_path(folder)
     assert result is not None
+    _say(f"imported {path} -> {result} ({total / 2**20:.1f} MiB); run it as --model {folder.name}")
     return result
 
 

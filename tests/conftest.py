@@ -5,6 +5,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # OpenMP's spin-wait makes a loaded 2-core machine crawl (tests/quant: 104 s -> 6 s).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub here; the store falls back to PyPI
+# Engines decode eagerly in tests: compiling each one's decode step would cost seconds per
+# engine. tests/engine/test_compiled.py turns it back on to check compiled == eager.
+os.environ.setdefault("LOCALLLM_NO_COMPILE", "1")
 
 from pathlib import Path  # noqa: E402
 

@@ -111,3 +111,18 @@ def test_bench_bad_arguments(argv: list[str], capsys: pytest.CaptureFixture[str]
     with pytest.raises(SystemExit) as e:
         main(["bench", *argv])
     assert e.value.code == 2 and "error" in capsys.readouterr().err
+
+
+async def test_guided_bench_runs_both_modes_at_both_batch_sizes(engine: AsyncEngine) -> None:
+    from localllm.bench import GUIDED_BATCHES
+
+    r = await run_bench(engine, BenchOptions(workloads=("guided",), plain_tokens=0, scale=0.04))
+    rows = r["guided"]
+    assert [row["n"] for row in rows] == list(GUIDED_BATCHES) == [1, 16]
+    for row in rows:
+        for mode in ("free", "guided"):
+            m = row[mode]
+            # every constrained request decoded all its tokens: the schema cannot end sooner
+            assert m["requests"] == row["n"] and m["output_tokens"] == row["n"] * row["tokens"], (mode, m)
+        assert row["itl_guided_over_free"] > 0 and row["throughput_guided_over_free"] > 0
+    assert "guided N=16" in format_report(r)

@@ -119,6 +119,20 @@ def test_a_custom_catalog_loads(tmp_path: Path) -> None:
     entries = load_catalog(_write(tmp_path, GOOD))
     assert list(entries) == ["tiny"]
     assert entries["tiny"].quantized["gguf"] == ()
+    assert entries["tiny"].sampling == {}
+
+
+def test_sampling_table_is_typed(tmp_path: Path) -> None:
+    text = GOOD.replace('notes = ""', 'notes = ""\nsampling = { temperature = 1, top_k = 40, min_p = 0.05 }')
+    sampling = load_catalog(_write(tmp_path, text))["tiny"].sampling
+    assert sampling == {"temperature": 1.0, "top_k": 40, "min_p": 0.05}
+    assert isinstance(sampling["temperature"], float) and isinstance(sampling["top_k"], int)
+
+
+def test_the_default_model_has_sampling_defaults_that_stay_on_topic(catalog: dict[str, CatalogEntry]) -> None:
+    """The measured choice (see models.toml): a low temperature and a top_p that drops the
+    near-tied French opening of the 135M model."""
+    assert catalog[DEFAULT_MODEL].sampling == {"temperature": 0.2, "top_p": 0.5}
 
 
 @pytest.mark.parametrize("broken, where", [
@@ -129,6 +143,9 @@ def test_a_custom_catalog_loads(tmp_path: Path) -> None:
     (GOOD.replace("max_context = 2048", "max_context = -1"), "field 'max_context': must be positive"),
     (GOOD.replace('kind = "hf"', 'kind = "ftp"'), "field 'sources[0].kind'"),
     (GOOD + GOOD, "field 'id': duplicate id"),
+    (GOOD.replace('notes = ""', 'notes = ""\nsampling = { temp = 0.5 }'), "field 'sampling.temp': unknown sampling key"),
+    (GOOD.replace('notes = ""', 'notes = ""\nsampling = { top_k = 2.5 }'), "field 'sampling.top_k': expected an integer"),
+    (GOOD.replace('notes = ""', 'notes = ""\nsampling = { top_p = "0.9" }'), "field 'sampling.top_p': expected a number"),
     (GOOD.replace("[[model]]", "[[model]\n"), "not valid TOML"),
     ("", "no [[model]] tables"),
 ])

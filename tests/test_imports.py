@@ -19,12 +19,10 @@ LAZY_TARGET = re.compile(r"^(localllm(?:\.\w+)+):\w+$")
 
 # Circles still being untangled elsewhere; each entry goes when its circle is gone:
 # - the loader reads checkpoint formats and also runs the whole load pipeline, so store and
-#   quant (which need only the format readers) and the loader import each other;
-# - a chat tab calls into the app that holds it, and the app into its tabs and commands.
+#   quant (which need only the format readers) and the loader import each other.
 KNOWN_CIRCLES = [
     {"localllm.models.loader", "localllm.quant", "localllm.quant.checkpoint", "localllm.quant.methods",
      "localllm.store"},
-    {"localllm.tui.app", "localllm.tui.chat", "localllm.tui.commands"},
 ]
 
 

@@ -56,6 +56,11 @@ class AsyncEngine:
         """The engine's; read-only after load, so safe from any thread."""
         return self.engine.tokenizer
 
+    @property
+    def sampling_defaults(self) -> dict[str, float | int]:
+        """The model's sampling defaults (see ``LLMEngine.sampling_defaults``); fixed at load."""
+        return self.engine.sampling_defaults
+
     def stats(self) -> EngineStats:
         """A snapshot taken after the last step; safe to read from any thread."""
         return self._stats
@@ -68,10 +73,13 @@ class AsyncEngine:
         the loop, or cancelling the task, aborts the request."""
         if self._stopped.is_set():
             raise EngineDeadError("the engine has stopped")
+        params = params or SamplingParams()
+        if params.guided:  # compile here, off the engine thread; the engine then finds it cached
+            await asyncio.to_thread(self.engine.guided.compile, params)
         request_id = request_id or f"async-{next(self._ids)}"
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
-        self._inbox.put(("add", (request_id, prompt, params or SamplingParams())))
+        self._inbox.put(("add", (request_id, prompt, params)))
         finished = False
         try:
             while True:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass
@@ -25,11 +26,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from localllm.engine.block_manager import BlockManager
+from localllm.engine.guided import GrammarCompiler
 from localllm.engine.model_runner import ModelRunner
 from localllm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestState
 from localllm.engine.sampler import SamplerOutput, sample
 from localllm.engine.scheduler import Scheduler
-from localllm.engine.sequence import SamplingParams, Sequence, SequenceStatus
+from localllm.engine.sequence import SamplingParams, Sequence, SequenceStatus, choice_seed
 from localllm.errors import LocalLLMError
 from localllm.tokenizer import IncrementalDetokenizer, Message
 
@@ -58,6 +60,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
     use_cuda_graphs: bool = True
+    compile: bool = True  # CPU decode through torch.compile; False (or LOCALLLM_NO_COMPILE=1) keeps eager
+    decode_buckets: list[int] | None = None  # rehearse the CUDA-graph bookkeeping eagerly (tests)
+    kv_cache_dtype: str = "auto"  # auto | fp8 | fp8_e4m3 (vLLM's names); auto = the plan's
+    calculate_kv_scales: bool = False  # FP8 cache: scales from a calibration prompt, not 1.0
 
 
 @dataclass(slots=True)
@@ -87,13 +93,15 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, progress: Callable[[str, int, int], None] | None = None):
         from localllm.models.loader import load_model
+        from localllm.engine.sampling_defaults import sampling_defaults
 
         self.config = config = config or EngineConfig()
         loaded = load_model(
             config.model, dtype=config.dtype, device=config.device, quant=config.quant,
             max_model_len=config.max_model_len, context=config.context, chats=config.chats,
             num_kv_blocks=config.num_kv_blocks, block_size=config.block_size,
-            gpu_memory_utilization=config.gpu_memory_utilization, progress=progress,
+            gpu_memory_utilization=config.gpu_memory_utilization, kv_cache_dtype=config.kv_cache_dtype,
+            progress=progress, compile=self._compiles(config),
         )
         self.model_name = loaded.name
         self.tokenizer: Tokenizer = loaded.tokenizer
@@ -101,17 +109,34 @@ class LLMEngine:
         self.precision = loaded.precision
         self.device = loaded.device
         self.max_model_len = loaded.max_model_len
+        # What the model asks for when a caller leaves a sampling field unset: only the keys the
+        # model sets, by SamplingParams name (run, LLM.generate, the server and the TUI read it).
+        self.sampling_defaults: dict[str, float | int] = sampling_defaults(loaded.path, loaded.name)
+        self.kv_cache_dtype = loaded.kv_dtype
+        # (k_scale, v_scale) per layer of an FP8 cache; None = 1.0 each, or not FP8.
+        self.kv_scales: list[tuple[float, float]] | None = None
+        if config.calculate_kv_scales and loaded.kv_dtype == torch.float8_e4m3fn:
+            from localllm.quant.kv_cache import calibrate_kv_scales, calibration_prompt
+
+            if progress is not None:
+                progress("calibrating KV scales", 0, 1)
+            self.kv_scales = calibrate_kv_scales(loaded.model, calibration_prompt(loaded.tokenizer))
+            if progress is not None:
+                progress("calibrating KV scales", 1, 1)
         self.block_manager = BlockManager(loaded.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(
             loaded.model, loaded.num_kv_blocks, config.block_size, loaded.kv_dtype, loaded.max_model_len,
             use_cuda_graphs=config.use_cuda_graphs and loaded.use_cuda_graphs,
             max_graph_batch=config.max_num_seqs or self.plan.max_num_seqs,
+            compile_cpu=self._compiles(config),
+            decode_buckets=config.decode_buckets, progress=progress, kv_scales=self.kv_scales,
         )
         self.scheduler = Scheduler(
             self.block_manager,
             config.max_num_batched_tokens or self.plan.max_num_batched_tokens,
             config.max_num_seqs or self.plan.max_num_seqs,
         )
+        self.guided = GrammarCompiler(self.tokenizer, loaded.model.config.vocab_size)
         self.requests: dict[str, RequestState] = {}  # live requests only: a finished one leaves at once
         self._ids = itertools.count()
         self._last_step = 0.0
@@ -120,6 +145,11 @@ class LLMEngine:
         self._hit_tokens = 0
         self._prompt_tokens = 0
         self._max_batch = 0
+
+    @staticmethod
+    def _compiles(config: EngineConfig) -> bool:
+        """Whether a CPU engine compiles its decode step (the planner sizes memory for it)."""
+        return config.compile and os.environ.get("LOCALLLM_NO_COMPILE", "0") in ("", "0")
 
     # ---- requests ----
 
@@ -133,9 +163,10 @@ class LLMEngine:
             return prompt, self.tokenizer.encode(prompt)
         if prompt and isinstance(prompt[0], dict):
             text = self.tokenizer.apply_chat_template(prompt)  # type: ignore[arg-type]
-            return text, self.tokenizer.backend.encode(text, add_special_tokens=False).ids
+            return text, self.tokenizer.encode_rendered(text)
         ids = list(prompt)  # type: ignore[arg-type]
-        if not all(isinstance(t, int) and 0 <= t < self.runner.model.config.vocab_size for t in ids):
+        vocab = self.runner.model.config.vocab_size
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
             raise LocalLLMError("prompt token ids must be ints inside the vocabulary")
         return None, ids
 
@@ -143,6 +174,7 @@ class LLMEngine:
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
     ) -> str:
         params = params or SamplingParams()
+        params.validate(self.runner.model.config.vocab_size)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise LocalLLMError(f"request id {request_id!r} is already running")
@@ -155,9 +187,10 @@ class LLMEngine:
                 f"the prompt is {len(ids)} tokens but the context limit is {limit}; "
                 "shorten it or start with a larger --max-model-len"
             )
+        grammar = self.guided.matcher(params) if params.guided else None  # a cache hit from AsyncEngine
         seq = Sequence(request_id, ids, params, () if params.ignore_eos else self.tokenizer.eos_token_ids, limit)
         self.requests[request_id] = RequestState(
-            seq, text, IncrementalDetokenizer(self.tokenizer), RequestMetrics(time.monotonic()))
+            seq, text, IncrementalDetokenizer(self.tokenizer), RequestMetrics(time.monotonic()), grammar=grammar)
         self.scheduler.add(seq)
         return request_id
 
@@ -216,9 +249,10 @@ class LLMEngine:
         if logits is None:
             return [], []
         generators = [(s.generator, s.generator.get_state()) for s in seqs if s.generator is not None]
+        grammars = [self.requests[s.request_id].grammar for s in seqs]
         with torch.inference_mode():
             try:
-                out = sample(logits, seqs)
+                out = sample(logits, seqs, grammars)
                 return [(s, out, i) for i, s in enumerate(seqs)], []
             except Exception:  # noqa: BLE001 - find out which rows it was
                 logger.exception("batched sampling failed; sampling the %d rows one at a time", len(seqs))
@@ -228,7 +262,7 @@ class LLMEngine:
             failed: list[tuple[Sequence, Exception]] = []
             for i, s in enumerate(seqs):
                 try:
-                    sampled.append((s, sample(logits[i : i + 1], [s]), 0))
+                    sampled.append((s, sample(logits[i : i + 1], [s], grammars[i : i + 1]), 0))
                 except Exception as e:  # noqa: BLE001 - this request's own failure
                     failed.append((s, _request_error(e, "sampling its token")))
         return sampled, failed
@@ -238,11 +272,14 @@ class LLMEngine:
         seq = state.seq
         token = seq.token_ids[-1]
         state.metrics.on_token(now)
+        grammar_done = state.grammar is not None and state.grammar.accept(token)
         if out.logprobs is not None:
             state.add_logprobs(token, out.logprobs[row], out.top_logprobs[row] if out.top_logprobs else None)
         if seq.finished and seq.finish_reason == "stop":  # eos or a stop token: its text is not shown
             delta = state.flush()
         else:
+            if grammar_done:  # the grammar is complete: nothing but EOS could follow (and "stop" beats "length")
+                self.scheduler.finish(seq, "stop")
             delta, stop = state.add_text(token)
             if stop is not None:
                 self.scheduler.finish(seq, "stop", stop)
@@ -300,13 +337,22 @@ class LLMEngine:
         raises its error once every request has ended."""
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise LocalLLMError(f"{len(prompts)} prompts but {len(params)} sampling params; pass one, or one per prompt")
         ids: list[list[str]] = []
-        for prompt, p in zip(prompts, params):
-            group = []
-            for i in range(p.n):
-                sub = p if p.n == 1 else dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + i)
-                group.append(self.add_request(prompt, sub))
-            ids.append(group)
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append([])
+                p.validate()  # n before range(n); add_request checks each choice against the model
+                for i in range(p.n):
+                    sub = p if p.n == 1 else dataclasses.replace(p, n=1, seed=choice_seed(p.seed, i))
+                    ids[-1].append(self.add_request(prompt, sub))
+        except BaseException:
+            # one bad prompt or parameter refuses the whole call: the ones added before it must
+            # not stay queued and run with some later call
+            for rid in (r for group in ids for r in group):
+                self.abort_request(rid)
+            raise
         final: dict[str, RequestOutput] = {}
         while self.has_unfinished():
             for out in self.step():

@@ -1,7 +1,8 @@
 """What the engine hands out for a request, and the per-request state that produces it.
 
 ``RequestState`` is the engine-side record beside a request's ``Sequence``: the prompt
-text, the detokenizer, the stop-string state, logprobs and timings. Each step adds one
+text, the detokenizer, the stop-string state, the grammar of a structured-output request,
+logprobs and timings. Each step adds one
 token to it and turns it into a ``RequestOutput`` at a cost that does not grow with the
 prompt or the reply: the text and ids so far go out as O(1) ``Prefix`` views of lists the
 engine only appends to, the new text and ids as deltas. The finished output carries plain
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Generic, TypeVar, overload
 
 if TYPE_CHECKING:
+    from localllm.engine.guided import GrammarMatcher
     from localllm.engine.sequence import Sequence
     from localllm.tokenizer import IncrementalDetokenizer
 
@@ -140,6 +142,7 @@ class RequestState:
     prompt: str | None
     detokenizer: IncrementalDetokenizer
     metrics: RequestMetrics
+    grammar: GrammarMatcher | None = None  # structured output: the request's place in its grammar
     text_pieces: list[str] = field(default_factory=list)
     held: str = ""
     cumulative_logprob: float = 0.0

@@ -1,18 +1,24 @@
 """Picks the next token of every sequence in the batch with one set of tensor ops.
 
-Order: penalties -> temperature -> top-k -> top-p -> min-p -> sample. Sampling is the
-exponential-race form of Gumbel-max (argmax of p / E, E ~ Exp(1)), which needs no sort and no
-CUDA sync; a seeded request draws its E from its own generator, so its tokens do not depend on
+Order: grammar mask -> penalties -> temperature -> top-k -> top-p -> min-p -> sample. Sampling
+is the exponential-race form of Gumbel-max (argmax of p / E, E ~ Exp(1)), which needs no sort and
+no CUDA sync; a seeded request draws its E from its own generator, so its tokens do not depend on
 what else is in the batch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from localllm.engine.guided import mask_logits
 from localllm.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from localllm.engine.guided import GrammarMatcher
 
 
 @dataclass(slots=True)
@@ -53,11 +59,15 @@ def _penalize(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return logits - freq * counts - pres * (counts > 0).float()
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-    """logits: [len(seqs), vocab] fp32, row i for seqs[i]."""
+def sample(
+    logits: torch.Tensor, seqs: list[Sequence], grammars: Seq[GrammarMatcher | None] = ()
+) -> SamplerOutput:
+    """logits: [len(seqs), vocab] fp32, row i for seqs[i]; ``grammars[i]``, when given, is row
+    i's grammar (None: free text). ``logits`` is not modified."""
     params = [s.params for s in seqs]
     want_logprobs = any(p.logprobs is not None for p in params)
-    raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None  # the model's, as vLLM reports
+    logits = mask_logits(logits, grammars)  # structured output: only what each grammar allows next
 
     if all(p.greedy and not p.has_penalties for p in params):
         token_ids = logits.argmax(dim=-1)

@@ -16,7 +16,25 @@ from localllm.errors import LocalLLMError
 from localllm.quant.groups import GROUP_SIZES, pick_group_size
 
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
-QUANTS: tuple[str, ...] = ("fp8", "int8", "awq")
+QUANTS: tuple[str, ...] = ("fp8", "int8", "awq", "gguf")
+# "gguf" (CPU): a GGUF file's blocks as they are. Sized as Q4_1 block linears (20 bytes per
+# 32 weights, the default model's) and a Q8_0 head (34 per 32) beside the float embedding
+# the lookup reads; a file of other types is sized by that estimate.
+GGUF_LINEAR_BYTES_PER_WEIGHT = 20 / 32
+GGUF_HEAD_BYTES_PER_WEIGHT = 34 / 32
+# KV cache storage: the float dtypes, or FP8 e4m3 with per-tensor scales ("fp8").
+KV_DTYPE_BYTES: dict[str, int] = {**DTYPE_BYTES, "fp8": 1}
+# What --kv-cache-dtype accepts (vLLM's names): auto = the planner's choice.
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8", "fp8_e4m3")
+
+
+def kv_cache_dtype_name(value: str | None) -> str:
+    """A --kv-cache-dtype value as the planner names it: "auto" or "fp8" (e4m3, vLLM's
+    meaning of plain "fp8"). Raises ValueError naming the choices."""
+    name = (value or "auto").lower()
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown KV cache dtype {value!r}; use one of {', '.join(KV_CACHE_DTYPES)}")
+    return "fp8" if name.startswith("fp8") else name
 
 # Per-output-channel scale of int8/fp8 weights (fp32), and the AWQ group layout:
 # int4 weights, one fp16 scale and one packed int4 zero per group of input columns.
@@ -128,6 +146,10 @@ def weight_bytes(m: ModelDims, weight_dtype: str = "bfloat16", quant: str | None
         return c.block_linear + c.block_rows * CHANNEL_SCALE_BYTES + rest
     if quant == "awq":
         return int(c.block_linear / 2 + c.awq_groups * (AWQ_SCALE_BYTES + AWQ_ZERO_BYTES)) + rest
+    if quant == "gguf":
+        head = c.lm_head or c.embedding  # the head runs on its own blocks, tied or not
+        return int(c.block_linear * GGUF_LINEAR_BYTES_PER_WEIGHT + head * GGUF_HEAD_BYTES_PER_WEIGHT) + (
+            c.embedding + c.norms) * b
     raise ValueError(f"unknown quantization {quant!r}; use one of {', '.join(QUANTS)}")
 
 
@@ -135,6 +157,8 @@ def decode_read_bytes(m: ModelDims, weight_dtype: str = "bfloat16", quant: str |
     """Weight bytes one decode step reads. An untied embedding table is only indexed (one row);
     a tied one is read in full as the lm_head."""
     total = weight_bytes(m, weight_dtype, quant)
+    if quant == "gguf":  # the float embedding is only indexed; the head has its own blocks
+        return total - (m.vocab_size - 1) * m.hidden_size * DTYPE_BYTES[weight_dtype]
     if m.tie_word_embeddings:
         return total
     b = DTYPE_BYTES[weight_dtype]
@@ -142,8 +166,13 @@ def decode_read_bytes(m: ModelDims, weight_dtype: str = "bfloat16", quant: str |
 
 
 def kv_bytes_per_token(m: ModelDims, kv_dtype: str = "bfloat16") -> int:
-    """2 (K and V) x layers x KV heads x head dim x bytes of the KV dtype."""
-    return 2 * m.num_layers * m.num_kv_heads * m.head_dim * _check_dtype(kv_dtype)
+    """2 (K and V) x layers x KV heads x head dim x bytes of the KV dtype (a float dtype or
+    "fp8"; the FP8 scales are two floats per layer, not per token)."""
+    try:
+        b = KV_DTYPE_BYTES[kv_dtype]
+    except KeyError:
+        raise ValueError(f"unknown KV dtype {kv_dtype!r}; use one of {', '.join(KV_DTYPE_BYTES)}") from None
+    return 2 * m.num_layers * m.num_kv_heads * m.head_dim * b
 
 
 def kv_bytes(m: ModelDims, tokens: int, kv_dtype: str = "bfloat16") -> int:

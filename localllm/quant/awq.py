@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from localllm.errors import LocalLLMError
+from localllm.kernels._triton import use_triton
 from localllm.kernels.awq_gemm import awq_dequantize, awq_gemm, awq_gemm_ref, awq_pack, awq_unpack
 from localllm.quant.linear import QuantLinear, cpu_backend
 
@@ -124,7 +125,7 @@ class AWQLinear(QuantLinear):
         self._cpu_packed = None
 
     def _finish_loading(self) -> None:
-        if self.qweight.device.type == "cpu" and cpu_backend("int4") != "dequant":
+        if not use_triton(self.qweight) and cpu_backend("int4") != "dequant":
             self._pack_for_cpu()
 
     def _pack_for_cpu(self) -> None:
@@ -142,13 +143,13 @@ class AWQLinear(QuantLinear):
         return awq_dequantize(self.qweight, self.qzeros, self.scales, self.group_size, torch.float32).t()
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self._cpu_packed is not None and x.device.type == "cpu":
+        if use_triton(x):  # CUDA, or the CPU in rehearsal mode
+            return awq_gemm(x, self.qweight, self.qzeros, self.scales, self.group_size)
+        if self._cpu_packed is not None:
             return torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x.to(torch.bfloat16), self._cpu_packed, self.group_size, self._cpu_scale_zeros
             )
-        if x.device.type == "cpu":
-            return awq_gemm_ref(x, self.qweight, self.qzeros, self.scales, self.group_size)
-        return awq_gemm(x, self.qweight, self.qzeros, self.scales, self.group_size)
+        return awq_gemm_ref(x, self.qweight, self.qzeros, self.scales, self.group_size)
 
     def shard_state(self, rows: slice) -> dict[str, torch.Tensor]:
         cols = slice(rows.start // 8, rows.stop // 8)

@@ -211,7 +211,7 @@ def awq_search(
     ``group_size``, layer by layer, on the calibration token sequences ``calib``."""
     cfg = model.config
     dev = device_of(model)
-    dtype = model.lm_head.weight.dtype
+    dtype = model.dtype
     limit = model.cos_sin.shape[0]  # rotary table rows: the longest sequence the model can run
     batch = prefill_batch([list(s)[:limit] for s in calib], dev)
     # One layer's KV pool, handed from layer to layer: only one layer runs at a time.

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-_METHODS = ("awq", "rtn4", "int8", "int8-w8a8", "fp8")
+from localllm.cli_common import QUANT_METHODS
 
 
 def _positive(value: str) -> int:
@@ -20,10 +20,13 @@ def _positive(value: str) -> int:
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("quantize", help="quantize a model and write it as a checkpoint (AWQ, INT8, FP8)")
+    p = sub.add_parser(
+        "quantize", help="quantize a model and write it as a checkpoint (AWQ, INT8, FP8)",
+        description="Quantize a model and write it as an HF checkpoint that localllm, vLLM and AutoAWQ load.",
+    )
     p.add_argument("model", nargs="?", default=None,
                    help="catalog name, HF repo id, local HF folder or .gguf file (default: the embedded default)")
-    p.add_argument("--method", required=True, help=f"one of {', '.join(_METHODS)}")
+    p.add_argument("--method", required=True, help=f"one of {QUANT_METHODS}")
     p.add_argument("-o", "--output", required=True, help="folder to write the HF checkpoint to")
     p.add_argument("--calib", default=None, help="calibration text for awq (default: the Apache-2.0 license text)")
     p.add_argument("--calib-tokens", type=_positive, default=8192, help="calibration tokens for awq (default 8192)")
@@ -32,20 +35,28 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.set_defaults(func=run_quantize)
 
-    p = sub.add_parser("eval", help="perplexity, speed and greedy agreement per quantization mode")
+    p = sub.add_parser(
+        "eval", help="perplexity, speed and greedy agreement per quantization mode",
+        description="Measure perplexity, memory, speed and greedy agreement of a model per quantization mode.",
+    )
     p.add_argument("model", nargs="?", default=None,
                    help="catalog name, HF repo id, local HF folder or .gguf file (default: the embedded default)")
     p.add_argument("--text", required=True, help="plain-text file to measure perplexity on")
     p.add_argument("--quant", default="none,fp8,int8,awq,rtn4",
-                   help="comma-separated modes: none, fp8, int8, int8-w8a8, awq, rtn4 (default: all but int8-w8a8)")
+                   help=f"comma-separated modes: none, {QUANT_METHODS} (default: all but int8-w8a8)")
     p.add_argument("--calib", default=None, help="calibration text for awq; must differ from --text")
-    p.add_argument("--calib-tokens", type=_positive, default=8192)
+    p.add_argument("--calib-tokens", type=_positive, default=8192, help="calibration tokens for awq (default 8192)")
     p.add_argument("--group-size", type=_positive, default=None, help="int4 group size (awq, rtn4)")
     p.add_argument("--max-tokens", type=_positive, default=None, help="evaluate at most this many tokens of --text")
     p.add_argument("--window", type=_positive, default=512, help="perplexity window in tokens (default 512)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                    help="float dtype of the unquantized parts (auto: float32 on cpu, bfloat16 on cuda)")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="comma-separated KV caches to run each mode with: auto (the model dtype), fp8 (e4m3),"
+                        " float32, bfloat16, float16; the first is the reference (e.g. bfloat16,fp8)")
+    p.add_argument("--calculate-kv-scales", action="store_true",
+                   help="fp8 KV: per-layer scales from a calibration prompt instead of 1.0")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=run_eval)
 
@@ -64,11 +75,13 @@ def run_quantize(args: argparse.Namespace) -> int:
     from localllm.models.loader import build_model, open_checkpoint
     from localllm.quant.checkpoint import save_quantized
     from localllm.quant.eval import DEFAULT_CALIB, calibration_samples
-    from localllm.quant.methods import check_method, config_group_size, prepare_online, quantize_model, weight_bytes
+    from localllm.quant.methods import (
+        METHODS, check_method, config_group_size, prepare_online, quantize_model, weight_bytes,
+    )
 
     method = check_method(args.method)
     if method == "none":
-        raise LocalLLMError(f"--method: choose one of {', '.join(_METHODS)}")
+        raise LocalLLMError(f"--method: choose one of {', '.join(METHODS)}")
     out = Path(args.output).expanduser()
     path = store.resolve(args.model)
     ckpt = open_checkpoint(path)

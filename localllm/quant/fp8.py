@@ -11,6 +11,7 @@ from functools import cache
 
 import torch
 
+from localllm.kernels._triton import use_triton
 from localllm.kernels.fp8_gemm import fp8_w8a8_gemm
 from localllm.quant.linear import ChannelScaledLinear
 
@@ -52,7 +53,7 @@ class FP8Linear(ChannelScaledLinear):
         return _fp8_table(dtype).index_select(0, codes).view(self.out_features, self.in_features)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" or self.weight_only:
+        if not use_triton(x) or self.weight_only:
             return self._dequant_matmul(x)
         # the kernel quantizes activations per token; below sm89 it runs its reference
         return fp8_w8a8_gemm(x, self.weight, self.weight_scale)

@@ -27,6 +27,7 @@ METHODS: dict[str, str] = {
     "fp8": "FP8 E4M3 weights per channel, activations per token where the GPU has FP8",
     "awq": "int4 group-wise with zero points, activation-aware scales and clipping (AutoAWQ GEMM)",
     "rtn4": "int4 group-wise with zero points, round to nearest (the AWQ baseline)",
+    "gguf": "a GGUF file's Q4_0/Q4_1/Q8_0 blocks as stored, on localllm's CPU kernels (the CPU default for GGUF)",
 }
 
 _CLASSES: dict[str, type[QuantLinear]] = {

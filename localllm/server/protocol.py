@@ -9,13 +9,18 @@ Unknown fields are ignored, as vLLM and llama-server do, because clients send ma
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
+
+from localllm.engine.sequence import MAX_LOGPROBS as MAX_TOP_LOGPROBS
+from localllm.engine.sequence import SEED_MAX, SEED_MIN
+from localllm.tokenizer import lone_surrogate
 
 MAX_N = 32  # choices per request: each is a full sequence in the engine
 MAX_STOP = 16
-MAX_TOP_LOGPROBS = 20  # the sampler's own cap
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+_NO_DEFAULTS: Mapping[str, float | int] = MappingProxyType({})  # a model that sets no sampling defaults
 
 
 class APIError(Exception):
@@ -23,7 +28,7 @@ class APIError(Exception):
 
     def __init__(
         self, status: int, message: str, *, type_: str = "invalid_request_error",
-        param: str | None = None, code: str | None = None,
+        param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -31,6 +36,7 @@ class APIError(Exception):
         self.type = type_
         self.param = param
         self.code = code
+        self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -93,7 +99,10 @@ def _float(
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _invalid(name, f"expected a number, got {_kind(value)}")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # JSON integers have no size limit; a 400-digit one is no float
+        raise _invalid(name, "must be a finite number, got an integer beyond the float range") from None
     if not math.isfinite(value):
         raise _invalid(name, "must be a finite number")
     too_low = lo is not None and (value <= lo if lo_open else value < lo)
@@ -154,7 +163,7 @@ class GenerationRequest:
 
 @dataclass(slots=True)
 class ChatRequest(GenerationRequest):
-    messages: list[dict[str, str]] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
     logprobs: bool = False
     top_logprobs: int = 0
 
@@ -169,10 +178,36 @@ class CompletionRequest(GenerationRequest):
 def _require_object(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {_kind(body)}")
+    _refuse_lone_surrogates(body)
     return body
 
 
-def _common(body: dict[str, Any], default_max_tokens: int | None) -> dict[str, Any]:
+def _refuse_lone_surrogates(body: dict[str, Any]) -> None:
+    """JSON may escape half a surrogate pair ("\\ud800"); such a string has no UTF-8 form, so
+    neither the tokenizer nor a JSON reply can carry it. Refused wherever it sits, keys included,
+    before any field is read. Iterative: json.loads nests deeper than Python recurses."""
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                where = f"{path}.{key}" if path else str(key)
+                if lone_surrogate(key) is not None:
+                    raise APIError(400, f"a key in '{path or 'the body'}' holds a lone surrogate, which is not "
+                                        "valid Unicode; send UTF-8 text", param=path or None, code="invalid_value")
+                stack.append((where, item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+        elif isinstance(value, str) and (at := lone_surrogate(value)) is not None:
+            raise APIError(400, f"'{path}': holds a lone surrogate (U+{ord(value[at]):04X}) at character {at}, "
+                                "which is not valid Unicode; send UTF-8 text", param=path, code="invalid_value")
+
+
+def _common(
+    body: dict[str, Any], default_max_tokens: int | None, defaults: Mapping[str, float | int],
+) -> dict[str, Any]:
+    """``defaults``: the model's sampling defaults, used for the fields the body omits; OpenAI's
+    own defaults fill the rest."""
     max_tokens = _int(body, "max_tokens", default_max_tokens, lo=1)
     # max_completion_tokens is the newer name for the same thing; it wins when both are sent
     max_tokens = _int(body, "max_completion_tokens", max_tokens, lo=1)
@@ -186,17 +221,20 @@ def _common(body: dict[str, Any], default_max_tokens: int | None) -> dict[str, A
     stop_token_ids = body.get("stop_token_ids")
     if stop_token_ids is not None and stop_token_ids != [] and _token_ids(stop_token_ids, "stop_token_ids") is None:
         raise _invalid("stop_token_ids", "expected an array of integers")
+    if body.get("logit_bias"):  # applying it is not implemented; ignoring it would change the answer
+        raise APIError(400, "'logit_bias' is not supported", param="logit_bias", code="unsupported")
     best_of = _int(body, "best_of", None, lo=1)
     n = _int(body, "n", 1, lo=1, hi=MAX_N)
     assert n is not None
     if best_of is not None and best_of != n:
         raise APIError(400, "'best_of' other than n is not supported", param="best_of", code="unsupported")
     sampling = {
-        "temperature": _float(body, "temperature", 1.0, lo=0.0, hi=2.0),
-        "top_p": _float(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True),
-        "top_k": _int(body, "top_k", -1, lo=-1),
-        "min_p": _float(body, "min_p", 0.0, lo=0.0, hi=1.0),
-        "repetition_penalty": _float(body, "repetition_penalty", 1.0, lo=0.0, hi=10.0, lo_open=True),
+        "temperature": _float(body, "temperature", float(defaults.get("temperature", 1.0)), lo=0.0, hi=2.0),
+        "top_p": _float(body, "top_p", float(defaults.get("top_p", 1.0)), lo=0.0, hi=1.0, lo_open=True),
+        "top_k": _int(body, "top_k", int(defaults.get("top_k", -1)), lo=-1),
+        "min_p": _float(body, "min_p", float(defaults.get("min_p", 0.0)), lo=0.0, hi=1.0),
+        "repetition_penalty": _float(body, "repetition_penalty", float(defaults.get("repetition_penalty", 1.0)),
+                                     lo=0.0, hi=10.0, lo_open=True),
         "presence_penalty": _float(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
         "frequency_penalty": _float(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
         "seed": _int(body, "seed", None, lo=SEED_MIN, hi=SEED_MAX),
@@ -210,7 +248,7 @@ def _common(body: dict[str, Any], default_max_tokens: int | None) -> dict[str, A
             "max_tokens": max_tokens, "sampling": sampling}
 
 
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 def _message(i: int, m: Any) -> dict[str, str]:
@@ -221,7 +259,7 @@ def _message(i: int, m: Any) -> dict[str, str]:
     if not isinstance(role, str):
         raise _invalid(f"{where}.role", "required, a string")
     if role not in _ROLES:
-        raise APIError(400, f"'{where}.role': {role!r} is not supported (use system, user or assistant)",
+        raise APIError(400, f"'{where}.role': {role!r} is not supported (use system, user, assistant or tool)",
                        param=f"{where}.role", code="unsupported")
     content = m.get("content")
     if content is None and role == "assistant":
@@ -243,7 +281,7 @@ def _message(i: int, m: Any) -> dict[str, str]:
     return {"role": _ROLES[role], "content": content}
 
 
-def parse_chat(body: Any) -> ChatRequest:
+def parse_chat(body: Any, defaults: Mapping[str, float | int] = _NO_DEFAULTS) -> ChatRequest:
     body = _require_object(body)
     messages = body.get("messages")
     if not isinstance(messages, list):
@@ -252,27 +290,19 @@ def parse_chat(body: Any) -> ChatRequest:
     if not messages:
         raise _invalid("messages", "must hold at least one message")
     parsed = [_message(i, m) for i, m in enumerate(messages)]
-    if body.get("tools"):
-        raise APIError(400, "'tools': tool calling is not supported", param="tools", code="unsupported")
-    fmt = body.get("response_format")
-    if fmt is not None:
-        if not isinstance(fmt, dict):
-            raise _invalid("response_format", f"expected an object, got {_kind(fmt)}")
-        if fmt.get("type", "text") != "text":
-            raise APIError(400, f"'response_format': type {fmt.get('type')!r} is not supported (text only)",
-                           param="response_format", code="unsupported")
+    # tools and response_format: server/tools.py and server/structured.py
     logprobs = _bool(body, "logprobs", False)
     top_logprobs = _int(body, "top_logprobs", 0, lo=0, hi=MAX_TOP_LOGPROBS)
     assert top_logprobs is not None
     if top_logprobs and not logprobs:
         raise _invalid("top_logprobs", "needs 'logprobs': true")
-    common = _common(body, default_max_tokens=None)  # chat: until eos or the context ends
+    common = _common(body, None, defaults)  # max_tokens None: until eos or the context ends
     if logprobs:
         common["sampling"]["logprobs"] = top_logprobs
     return ChatRequest(**common, messages=parsed, logprobs=logprobs, top_logprobs=top_logprobs)
 
 
-def parse_completion(body: Any) -> CompletionRequest:
+def parse_completion(body: Any, defaults: Mapping[str, float | int] = _NO_DEFAULTS) -> CompletionRequest:
     body = _require_object(body)
     prompt = body.get("prompt")
     prompts: list[str | list[int]]
@@ -297,7 +327,7 @@ def parse_completion(body: Any) -> CompletionRequest:
     if _str(body, "suffix", None):
         raise APIError(400, "'suffix' is not supported", param="suffix", code="unsupported")
     logprobs = _int(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
-    common = _common(body, default_max_tokens=16)  # OpenAI's completions default
+    common = _common(body, 16, defaults)  # max_tokens 16: OpenAI's completions default
     if len(prompts) * common["n"] > MAX_N:
         raise _invalid("prompt", f"a batch of {len(prompts)} prompts x n={common['n']} exceeds {MAX_N} choices")
     if logprobs is not None:

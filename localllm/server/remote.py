@@ -27,7 +27,7 @@ import httpx
 
 from localllm.engine.engine import CompletionOutput, EngineStats, Prompt, RequestOutput
 from localllm.engine.outputs import Prefix, RequestMetrics
-from localllm.engine.sequence import SamplingParams
+from localllm.engine.sequence import GUIDED_FIELDS, SamplingParams
 from localllm.errors import LocalLLMError
 
 if TYPE_CHECKING:
@@ -38,6 +38,8 @@ _CONNECT_TIMEOUT_S = 10.0
 # Between two chunks: a long prompt queued behind other users' prefills on a busy server can
 # take minutes before its first token.
 _READ_TIMEOUT_S = 600.0
+_BUSY_WAIT_S = 60.0  # how long 503s with Retry-After are waited out before the error reaches the user
+_MAX_RETRY_AFTER_S = 30.0
 
 
 def normalize_endpoint(endpoint: str) -> str:
@@ -88,8 +90,9 @@ class _Tally:
 
 
 class RemoteEngine:
-    """Same interface as ``AsyncEngine``: ``generate``, ``stats``, ``abort``, ``shutdown`` and
-    ``tokenizer`` (None: the server tokenizes). Construction asks ``/v1/models`` for the model
+    """Same interface as ``AsyncEngine``: ``generate``, ``stats``, ``abort``, ``shutdown``,
+    ``sampling_defaults`` (as the server reports them; empty if it does not) and ``tokenizer``
+    (None: the server tokenizes). Construction asks ``/v1/models`` for the model
     (the first one listed unless ``model`` is given) and fails with a one-line
     ``LocalLLMError`` if the server cannot be reached or refuses the key."""
 
@@ -99,6 +102,8 @@ class RemoteEngine:
         self.endpoint = normalize_endpoint(endpoint)
         self.api_key = api_key
         self.max_model_len: int | None = None
+        self.served_models: list[str] = []  # what /v1/models listed
+        self.sampling_defaults: dict[str, float | int] = {}  # the server applies its own
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._ssl = ssl.create_default_context()  # built once: it costs ~10 ms per client
         self._clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
@@ -127,6 +132,7 @@ class RemoteEngine:
                 models = [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
             except (ValueError, AttributeError):
                 models = []
+        self.served_models = [m["id"] for m in models]
         if wanted is not None:
             # not checked against the list: Ollama, for one, also answers to aliases it does not list
             entry = next((m for m in models if m["id"] == wanted), None)
@@ -137,6 +143,8 @@ class RemoteEngine:
                                 "; name one with --model")
         if entry is not None and isinstance(entry.get("max_model_len"), int):
             self.max_model_len = entry["max_model_len"]  # vLLM and localllm serve report it
+        if entry is not None and isinstance(entry.get("sampling_defaults"), dict):
+            self.sampling_defaults = _sampling_defaults(entry["sampling_defaults"])
         return wanted or entry["id"]  # type: ignore[index]
 
     def _client(self) -> httpx.AsyncClient:
@@ -280,6 +288,12 @@ class RemoteEngine:
                 body[name] = value
         if p.stop_token_ids:
             body["stop_token_ids"] = p.stop_token_ids
+        if p.guided_json is not None:  # OpenAI's form, which every server here takes
+            schema = json.loads(p.guided_json) if isinstance(p.guided_json, str) else p.guided_json
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "schema", "schema": schema}}
+        for name in GUIDED_FIELDS[1:]:  # vLLM's names, which localllm serve takes too
+            if getattr(p, name) is not None:
+                body[name] = getattr(p, name)
         return body
 
     async def _pump(self, chat: bool, body: dict[str, Any], queue: asyncio.Queue[tuple[str, Any]]) -> None:
@@ -287,24 +301,17 @@ class RemoteEngine:
         then ("end", None); ("error", LocalLLMError) or ("aborted", None) instead on failure."""
         url = f"{self.endpoint}/{'chat/completions' if chat else 'completions'}"
         try:
-            async with self._client().stream("POST", url, json=body) as r:
-                if r.status_code >= 400:
-                    raise LocalLLMError(f"{url}: {_error_message(r.status_code, await r.aread())}")
-                async for line in r.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue  # blank separators, ": keep-alive" comments, "event:" lines
-                    data = line[5:].strip()
-                    if data == "[DONE]":
+            waited = 0.0
+            while True:
+                async with self._client().stream("POST", url, json=body) as r:
+                    # a busy server (localllm's --max-waiting) says when to come back, as OpenAI's clients heed
+                    wait = _retry_after(r) if r.status_code == 503 else None
+                    if wait is None or waited + wait > _BUSY_WAIT_S:
+                        await self._read_events(r, url, chat, queue)
                         break
-                    try:
-                        chunk = json.loads(data)
-                    except ValueError:
-                        raise LocalLLMError(f"{url}: the server sent a malformed event: {data[:120]!r}") from None
-                    if not isinstance(chunk, dict):
-                        continue
-                    if "error" in chunk:
-                        raise LocalLLMError(f"{url}: {_error_message(r.status_code, data.encode())}")
-                    queue.put_nowait(("chunk", _parse_chunk(chunk, chat)))
+                    await r.aread()
+                await asyncio.sleep(wait)
+                waited += wait
             queue.put_nowait(("end", None))
         except asyncio.CancelledError:
             queue.put_nowait(("aborted", None))
@@ -313,6 +320,26 @@ class RemoteEngine:
             queue.put_nowait(("error", e))
         except httpx.HTTPError as e:
             queue.put_nowait(("error", LocalLLMError(f"{url}: {_describe(e)}")))
+
+    @staticmethod
+    async def _read_events(r: httpx.Response, url: str, chat: bool, queue: asyncio.Queue[tuple[str, Any]]) -> None:
+        if r.status_code >= 400:
+            raise LocalLLMError(f"{url}: {_error_message(r.status_code, await r.aread())}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data:"):
+                continue  # blank separators, ": keep-alive" comments, "event:" lines
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            try:
+                chunk = json.loads(data)
+            except ValueError:
+                raise LocalLLMError(f"{url}: the server sent a malformed event: {data[:120]!r}") from None
+            if not isinstance(chunk, dict):
+                continue
+            if "error" in chunk:
+                raise LocalLLMError(f"{url}: {_error_message(r.status_code, data.encode())}")
+            queue.put_nowait(("chunk", _parse_chunk(chunk, chat)))
 
     def _count(self, usage: dict[str, Any]) -> None:
         self._tally.prompt_tokens += _int(usage.get("prompt_tokens"))
@@ -358,6 +385,23 @@ def _parse_chunk(chunk: dict[str, Any], chat: bool) -> tuple[str, str | None, st
         stop = c.get("stop_reason")
     usage = chunk.get("usage")
     return str(delta), finish, stop, usage if isinstance(usage, dict) else {}
+
+
+def _sampling_defaults(reported: dict[str, Any]) -> dict[str, float | int]:
+    """The keys of a server's reported defaults that SamplingParams knows, with numeric values."""
+    from localllm.catalog import SAMPLING_KEYS
+
+    return {k: kind(v) for k, kind in SAMPLING_KEYS.items()
+            if isinstance(v := reported.get(k), (int, float)) and not isinstance(v, bool)}
+
+
+def _retry_after(r: httpx.Response) -> float | None:
+    """Retry-After in seconds when it is a small number (not an HTTP date), else None."""
+    try:
+        wait = float(r.headers.get("retry-after", ""))
+    except ValueError:
+        return None
+    return wait if 0 <= wait <= _MAX_RETRY_AFTER_S else None
 
 
 def _int(value: Any) -> int:

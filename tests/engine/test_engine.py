@@ -183,8 +183,8 @@ def _sampler_failing_for(request_id: str, after: int):  # noqa: ANN202
     batched draw, so a seeded neighbour's generator has moved and must be rewound."""
     real = engine_module.sample
 
-    def sample(logits, seqs):  # noqa: ANN001, ANN202
-        out = real(logits, seqs)
+    def sample(logits, seqs, grammars=()):  # noqa: ANN001, ANN202
+        out = real(logits, seqs, grammars)
         if any(s.request_id == request_id and s.num_output_tokens >= after for s in seqs):
             raise IndexError("injected sampler fault")
         return out

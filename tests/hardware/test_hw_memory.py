@@ -22,7 +22,8 @@ SCRIPT = textwrap.dedent('''
     from localllm.hardware.probe import MemoryMeter
 
     with MemoryMeter("cpu") as meter:
-        llm = LLMEngine(EngineConfig(dtype=sys.argv[1], device="cpu", chats=1))
+        # eager decode: compiling costs a minute per engine, and the plan adds its own allowance for it
+        llm = LLMEngine(EngineConfig(dtype=sys.argv[1], device="cpu", chats=1, compile=False))
         p = llm.plan
         n = p.max_num_seqs
         per = p.max_num_batched_tokens // n

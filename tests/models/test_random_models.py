@@ -20,23 +20,31 @@ VOCAB = 49152  # reuses the default model's tokenizer
 
 def write_random_model(out: Path, arch: str, tokenizer_src: Path, *, heads: int = 4, kv_heads: int = 2,
                        head_dim: int = 16, hidden: int = 64, layers: int = 2, tied: bool = True,
-                       rope_scaling: dict | None = None, seed: int = 0) -> Path:
+                       rope_scaling: dict | None = None, seed: int = 0, vocab: int = VOCAB,
+                       config: dict | None = None) -> Path:
+    """``vocab`` above the tokenizer's pads the embedding, as many checkpoints do. ``config``
+    replaces keys of the written config.json (None values delete them)."""
     g = torch.Generator().manual_seed(seed)
     inter = 96
     qkv_bias = arch == "Qwen2ForCausalLM"
     cfg = {
-        "architectures": [arch], "vocab_size": VOCAB, "hidden_size": hidden, "intermediate_size": inter,
+        "architectures": [arch], "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": inter,
         "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
         "head_dim": head_dim, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 512,
         "tie_word_embeddings": tied, "rope_scaling": rope_scaling,
     }
+    for key, value in (config or {}).items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
     def rand(*shape: int, scale: float = 0.08) -> torch.Tensor:
         return torch.randn(*shape, generator=g) * scale
 
-    sd: dict[str, torch.Tensor] = {"model.embed_tokens.weight": rand(VOCAB, hidden, scale=0.5),
+    sd: dict[str, torch.Tensor] = {"model.embed_tokens.weight": rand(vocab, hidden, scale=0.5),
                                    "model.norm.weight": 1 + rand(hidden)}
     if not tied:
-        sd["lm_head.weight"] = rand(VOCAB, hidden)
+        sd["lm_head.weight"] = rand(vocab, hidden)
     for i in range(layers):
         p = f"model.layers.{i}."
         sd[p + "self_attn.q_proj.weight"] = rand(heads * head_dim, hidden)

@@ -36,6 +36,24 @@ def test_models_and_health(served: Served, client: openai.OpenAI) -> None:
     assert httpx.get(f"{served.url}/health").json()["status"] == "ok"
 
 
+def test_models_reports_the_context_and_the_sampling_defaults(served: Served) -> None:
+    entry = httpx.get(f"{served.base}/models").json()["data"][0]
+    assert entry["max_model_len"] == MAX_MODEL_LEN
+    assert entry["sampling_defaults"] == served.engine.sampling_defaults == {"temperature": 0.2, "top_p": 0.5}
+
+
+def test_omitted_sampling_fields_take_the_models_defaults(client: openai.OpenAI) -> None:
+    def replies(**kw: Any) -> list[str]:
+        r = client.chat.completions.create(model="any", messages=QUESTION, max_tokens=16, n=4, seed=1234, **kw)
+        return [c.message.content for c in r.choices]
+
+    # the default model's temperature 0.2 / top_p 0.5 keep every seeded choice on the answer ...
+    assert replies() == ["The capital of France is Paris."] * 4
+    assert replies(temperature=0.2) == replies(top_p=0.5) == replies()
+    # ... which OpenAI's own defaults (temperature 1, top_p 1) do not: the same seeds scatter
+    assert len(set(replies(temperature=1.0, top_p=1.0))) > 1
+
+
 def test_chat_non_streaming_reports_text_and_usage(client: openai.OpenAI) -> None:
     r = _greedy(client)
     choice = r.choices[0]
@@ -243,7 +261,7 @@ BAD_CHAT = [
     (_chat(ignore_eos="no"), 422),
     (_chat(stop_token_ids=["a"]), 422),
     (_chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400),
-    (_chat(response_format={"type": "json_object"}), 400),
+    (_chat(response_format={"type": "yaml"}), 400),
     (_chat(best_of=3), 400),
 ]
 

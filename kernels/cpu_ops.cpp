@@ -1,0 +1,575 @@
+// CPU kernels that torch has no op for: the paged KV write and attention that reads the
+// paged pool where it lies. Built once per machine by localllm/kernels/cpu_ops.py (with
+// -march=native, so the loops below vectorise for the CPU at hand) and registered as
+// torch.ops.localllm_cpu.*; their torch references are paged_attention_ref and
+// rotary_and_store_kv_ref in the same folder.
+//
+// Layouts are those of kernels/paged_attention.py: q [T, H, D]; caches
+// [num_blocks, block_size, KVH, D] fp32, contiguous; query_start_loc [B + 1], seq_lens [B]
+// and block_tables [B, W] int32. Query j of sequence b sits at position
+// seq_lens[b] - q_len[b] + j and attends to keys 0..that position.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <utility>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kMaxHeadDim = 256;
+constexpr int64_t kMaxGroup = 16;  // query heads per KV head
+constexpr int64_t kMaxBlock = 64;  // tokens per KV block
+
+void check_cache(const at::Tensor& cache, const char* name) {
+  TORCH_CHECK(cache.dim() == 4 && cache.scalar_type() == at::kFloat && cache.is_contiguous(),
+              name, " must be a contiguous fp32 [num_blocks, block_size, kv_heads, head_dim] tensor");
+}
+
+// Writes k[t] and v[t] ([T, KVH, D], rows contiguous) to slot slot_mapping[t]; a negative
+// slot (a padding row) writes nothing.
+void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
+              const at::Tensor& slot_mapping) {
+  check_cache(k_cache, "k_cache");
+  check_cache(v_cache, "v_cache");
+  TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat, "k and v must be fp32");
+  const int64_t T = k.size(0), row = k_cache.size(2) * k_cache.size(3);
+  TORCH_CHECK(k.size(1) * k.size(2) == row && v.size(1) * v.size(2) == row, "k/v heads do not match the cache");
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2),
+              "k and v rows must be contiguous");
+  const auto slots = slot_mapping.to(at::kLong).contiguous();
+  const int64_t* s = slots.data_ptr<int64_t>();
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    if (s[t] < 0) continue;
+    TORCH_CHECK(s[t] < num_slots, "slot ", s[t], " is outside the KV pool");
+    std::memcpy(kc + s[t] * row, kp + t * k.stride(0), row * sizeof(float));
+    std::memcpy(vc + s[t] * row, vp + t * v.stride(0), row * sizeof(float));
+  }
+}
+
+// e^x for the softmax (x <= 0 there), written so the loops that call it vectorise: glibc's
+// expf is scalar. Range reduction to r in [-ln2/2, ln2/2], a degree-6 polynomial, then the
+// exponent by bit manipulation; relative error ~1e-7, and -inf gives ~1e-38 (not 0), which
+// the callers only ever multiply by zeros.
+inline float fast_exp(float x) {
+  x = std::max(x, -87.f);
+  const float n = std::floor(x * 1.44269504f + 0.5f);
+  const float r = x - n * 0.693145752f - n * 1.42860677e-6f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  return p * __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
+}
+
+// One (query token, KV head, key range) of attention: the G query heads of the KV head
+// read each key and value row once. Returns the running max and sum of exp; acc holds the
+// unnormalised output. Templated on G so the per-key loops over the heads unroll.
+template <int G>
+void attend_range(const float* qrow, const float* kc, const float* vc, const int32_t* table,
+                  int64_t key_begin, int64_t key_end, int64_t block_size, int64_t row, int64_t D,
+                  float scale, float* m, float* l, float (*acc)[kMaxHeadDim], float (*p)[kMaxBlock]) {
+  for (int g = 0; g < G; ++g) {
+    m[g] = -std::numeric_limits<float>::infinity();
+    l[g] = 0.f;
+    std::fill(acc[g], acc[g] + D, 0.f);
+  }
+  for (int64_t start = key_begin; start < key_end;) {
+    const int64_t blk = table[start / block_size], off = start % block_size;
+    const int64_t n = std::min(block_size - off, key_end - start);
+    const float* kb = kc + (blk * block_size + off) * row;
+    const float* vb = vc + (blk * block_size + off) * row;
+    for (int64_t i = 0; i < n; ++i) {
+      const float* kr = kb + i * row;
+      float s[G];
+      for (int g = 0; g < G; ++g) {
+        const float* qg = qrow + g * D;
+        float a = 0.f;
+#pragma omp simd reduction(+ : a)
+        for (int64_t d = 0; d < D; ++d) a += qg[d] * kr[d];
+        s[g] = a * scale;
+      }
+      for (int g = 0; g < G; ++g) p[g][i] = s[g];
+    }
+    for (int g = 0; g < G; ++g) {
+      float mx = m[g];
+      for (int64_t i = 0; i < n; ++i) mx = std::max(mx, p[g][i]);
+      float sum = 0.f;
+      float* pg = p[g];
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < n; ++i) {
+        pg[i] = fast_exp(pg[i] - mx);
+        sum += pg[i];
+      }
+      const float corr = fast_exp(m[g] - mx);  // 0 on the first block (m = -inf)
+      l[g] = l[g] * corr + sum;
+      m[g] = mx;
+      float* a = acc[g];
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) a[d] *= corr;
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const float* vr = vb + i * row;
+      for (int g = 0; g < G; ++g) {
+        const float w = p[g][i];
+        float* a = acc[g];
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) a[d] += w * vr[d];
+      }
+    }
+    start += n;
+  }
+}
+
+using AttendFn = void (*)(const float*, const float*, const float*, const int32_t*, int64_t, int64_t, int64_t,
+                          int64_t, int64_t, float, float*, float*, float (*)[kMaxHeadDim], float (*)[kMaxBlock]);
+
+template <int... Gs>
+AttendFn pick_attend(int64_t g, std::integer_sequence<int, Gs...>) {
+  AttendFn fn = nullptr;
+  ((fn = (g == Gs + 1) ? &attend_range<Gs + 1> : fn), ...);
+  return fn;
+}
+
+// Attention for every sequence whose query length is at most max_q (decodes, short
+// extends over a cached prefix); the rows of longer sequences are left at zero for the
+// caller's prefill path. A work item is one query token, one KV head and one slice of its
+// keys: the query heads of that KV head share every key and value row it reads, once, from
+// the block it lies in (no gather, no padding to the longest context in the batch). Long
+// contexts split into slices when there are too few items for the threads (flash-decoding);
+// the slices merge by their max and sum of exp.
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                           const at::Tensor& block_tables, double scale, int64_t max_q) {
+  check_cache(k_cache, "k_cache");
+  check_cache(v_cache, "v_cache");
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "q must be fp32 [T, H, D]");
+  const int64_t H = q.size(1), D = q.size(2);
+  const int64_t block_size = k_cache.size(1), KVH = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && D <= kMaxHeadDim, "head_dim mismatch or above ", kMaxHeadDim);
+  TORCH_CHECK(block_size <= kMaxBlock, "block_size above ", kMaxBlock);
+  TORCH_CHECK(H % KVH == 0 && H / KVH <= kMaxGroup, "query heads must be a multiple of KV heads (at most 16 per KV head)");
+  const int64_t G = H / KVH, row = KVH * D;
+  const AttendFn attend = pick_attend(G, std::make_integer_sequence<int, kMaxGroup>{});
+  const auto qc = q.contiguous();
+  const auto qsl = query_start_loc.to(at::kInt).contiguous();
+  const auto lens = seq_lens.to(at::kInt).contiguous();
+  const auto tables = block_tables.to(at::kInt).contiguous();
+  const int64_t B = lens.size(0), W = tables.size(1);
+  const int32_t* qs = qsl.data_ptr<int32_t>();
+  const int32_t* ls = lens.data_ptr<int32_t>();
+  const int32_t* tb = tables.data_ptr<int32_t>();
+  const int64_t num_blocks = k_cache.size(0);
+
+  std::vector<int64_t> tok_seq, tok_j;  // one entry per (sequence, query token)
+  int64_t max_keys = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = qs[b + 1] - qs[b];
+    if (n == 0 || n > max_q) continue;
+    TORCH_CHECK(ls[b] >= n && (ls[b] + block_size - 1) / block_size <= W, "seq_lens/block_tables mismatch");
+    for (int64_t i = 0; i < (ls[b] + block_size - 1) / block_size; ++i) {
+      const int32_t blk = tb[b * W + i];
+      TORCH_CHECK(blk >= 0 && blk < num_blocks, "block id ", blk, " is outside the KV pool");
+    }
+    max_keys = std::max<int64_t>(max_keys, ls[b]);
+    for (int64_t j = 0; j < n; ++j) {
+      tok_seq.push_back(b);
+      tok_j.push_back(j);
+    }
+  }
+  auto out = at::zeros_like(qc);
+  const int64_t num_toks = static_cast<int64_t>(tok_seq.size());
+  if (num_toks == 0) return out;
+  const int64_t threads = at::get_num_threads();
+  // Slices of at least 4 blocks, enough of them that every thread gets ~4 items.
+  const int64_t want = (4 * threads + num_toks * KVH - 1) / (num_toks * KVH);
+  const int64_t splits = std::max<int64_t>(1, std::min(want, max_keys / (4 * block_size)));
+  const int64_t slice = (((max_keys + splits - 1) / splits + block_size - 1) / block_size) * block_size;
+
+  // Per item partial results: [items, G] max and sum, [items, G, D] accumulators.
+  const int64_t num_items = num_toks * KVH * splits;
+  std::vector<float> part_m(num_items * G), part_l(num_items * G), part_acc(num_items * G * D);
+  const float* qp = qc.data_ptr<float>();
+  const float* kc = k_cache.data_ptr<float>();
+  const float* vc = v_cache.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+    float acc[kMaxGroup][kMaxHeadDim];
+    float p[kMaxGroup][kMaxBlock];
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t t = it / (KVH * splits), kvh = (it / splits) % KVH, sp = it % splits;
+      const int64_t b = tok_seq[t], j = tok_j[t];
+      const int64_t n_keys = ls[b] - (qs[b + 1] - qs[b]) + j + 1;  // causal: keys 0..position
+      const int64_t k0 = sp * slice, k1 = std::min(n_keys, k0 + slice);
+      float* pm = &part_m[it * G];
+      float* pl = &part_l[it * G];
+      if (k0 >= k1) {
+        for (int64_t g = 0; g < G; ++g) pm[g] = -std::numeric_limits<float>::infinity(), pl[g] = 0.f;
+        continue;
+      }
+      const float* qrow = qp + (qs[b] + j) * H * D + kvh * G * D;
+      attend(qrow, kc + kvh * D, vc + kvh * D, tb + b * W, k0, k1, block_size, row, D, fscale, pm, pl, acc, p);
+      for (int64_t g = 0; g < G; ++g) std::copy(acc[g], acc[g] + D, &part_acc[(it * G + g) * D]);
+    }
+  });
+
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, num_toks * KVH, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t tk = begin; tk < end; ++tk) {
+      const int64_t t = tk / KVH, kvh = tk % KVH;
+      float* orow = op + (qs[tok_seq[t]] + tok_j[t]) * H * D + kvh * G * D;
+      for (int64_t g = 0; g < G; ++g) {
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t sp = 0; sp < splits; ++sp) mx = std::max(mx, part_m[(tk * splits + sp) * G + g]);
+        float total = 0.f;
+        float* o = orow + g * D;
+        for (int64_t sp = 0; sp < splits; ++sp) {
+          const int64_t it = tk * splits + sp;
+          const float w = part_l[it * G + g] == 0.f ? 0.f : std::exp(part_m[it * G + g] - mx);
+          total += w * part_l[it * G + g];
+          const float* a = &part_acc[(it * G + g) * D];
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
+        }
+        const float inv = 1.f / total;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+      }
+    }
+  });
+  return out;
+}
+
+
+// ---- GGUF block-quantized linear: y = x @ W^T with W in GGUF's own blocks -------------------
+//
+// W is [N, K] stored as GGUF lays it out, each row K/32 blocks of 32 weights:
+//   Q4_0 (type 2): fp16 d, 16 bytes of nibbles        w = d * (q - 8)
+//   Q4_1 (type 3): fp16 d, fp16 m, 16 bytes of nibbles w = d * q + m
+//   Q8_0 (type 8): fp16 d, 32 int8                     w = d * q
+// (nibble byte i holds weight i in its low half and weight i + 16 in its high half). The
+// weights are never dequantized: x is quantized per 32-block to int8 (scale dx, code sum sx)
+// and each block's dot product runs on integer multiply-adds (VNNI where the CPU has it),
+//   sum_i w_i x_i = d dx sum q_i xq_i  (+ m dx sx for Q4_1; - 8 d dx sx for Q4_0),
+// which reads 4.5-8.5 bits per weight instead of 32 and multiplies 32 pairs per instruction.
+
+// The GGUF kernels need x86-64-v3 (AVX2, FMA, F16C); elsewhere only the attention ops are
+// built and the loader keeps the torch path for GGUF weights.
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#define LOCALLLM_GGUF_KERNELS 1
+#include <immintrin.h>
+
+inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+
+enum GGUFType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };
+
+inline int64_t block_bytes(int64_t type) {
+  switch (type) {
+    case kQ4_0: return 18;
+    case kQ4_1: return 20;
+    case kQ8_0: return 34;
+  }
+  TORCH_CHECK(false, "unsupported GGUF block type ", type, " (Q4_0, Q4_1 and Q8_0 are)");
+}
+
+// x [M, K] -> int8 codes, per-block scales and code sums (round-to-nearest, like ggml's Q8),
+// in `levels` levels: level 2 quantizes what level 1 left over, so the pair carries ~14 bits
+// per activation (measured on the default model: max logit error 2.2 with one level, 0.007
+// with two, against fp32 activations on the same weights). Layout: [levels, M, ...].
+void quantize_rows(const float* x, int64_t M, int64_t K, int64_t levels, int8_t* xq, float* xd, int32_t* xs) {
+  const int64_t nb = K / 32;
+  at::parallel_for(0, M * nb, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      float r[32];
+      std::memcpy(r, x + (i / nb) * K + (i % nb) * 32, sizeof(r));
+      for (int64_t lv = 0; lv < levels; ++lv) {
+        float amax = 0.f;
+        for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(r[j]));
+        const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+        int8_t* q = xq + lv * M * K + (i / nb) * K + (i % nb) * 32;
+        int32_t sum = 0;
+        for (int j = 0; j < 32; ++j) {
+          const int v = static_cast<int>(std::nearbyint(r[j] * inv));
+          q[j] = static_cast<int8_t>(v);
+          sum += v;
+          r[j] -= static_cast<float>(v) * d;
+        }
+        xd[lv * M * nb + i] = d;
+        xs[lv * M * nb + i] = sum;
+      }
+    }
+  });
+}
+
+// The repacked layout the kernel reads, made once at load by gguf_repack: rows in tiles of 8
+// (the 8 lanes of a 256-bit register are 8 output features, so no horizontal sums), and per
+// tile and 32-block:
+//   codes  4-bit: 4 x 32 bytes; byte 4n + j of chunk p holds, for row n of the tile, weight
+//          8p + j in its low nibble and weight 8p + 4 + j in its high nibble (two runs of 4
+//          consecutive weights, the unit of one integer multiply-add per lane);
+//          8-bit: 8 x 32 bytes, byte 4n + j of chunk p = weight 4p + j of row n (int8);
+//   d, c   fp16 [8]: the block scale, and the factor of the activation code sum:
+//          Q4_1 m, Q4_0 -8d, Q8_0 0 (its codes are signed already).
+// sum_i w_i x_i = d dx sum q_i xq_i + c dx sx, per row, per block.
+constexpr int64_t kTileN = 8;
+
+inline int64_t code_bytes(int64_t type) { return type == kQ8_0 ? 256 : 128; }  // per tile and block
+
+std::vector<at::Tensor> gguf_repack(const at::Tensor& weight, int64_t type, int64_t in_features) {
+  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2 && weight.is_contiguous(),
+              "weight must be the contiguous uint8 [N, row_bytes] GGUF blocks");
+  const int64_t N = weight.size(0), K = in_features, nb = K / 32, bpb = block_bytes(type);
+  TORCH_CHECK(K % 32 == 0 && weight.size(1) == nb * bpb, "GGUF row bytes do not match in_features");
+  TORCH_CHECK(N % kTileN == 0, "out_features must be a multiple of 8");
+  const int64_t tiles = N / kTileN;
+  auto codes = at::empty({tiles, nb, code_bytes(type)}, at::kByte);
+  auto d = at::empty({tiles, nb, kTileN}, at::kHalf);
+  auto c = at::empty({tiles, nb, kTileN}, at::kHalf);
+  const uint8_t* w = weight.data_ptr<uint8_t>();
+  uint8_t* cp = codes.data_ptr<uint8_t>();
+  uint16_t* dp = reinterpret_cast<uint16_t*>(d.data_ptr<at::Half>());
+  uint16_t* cc = reinterpret_cast<uint16_t*>(c.data_ptr<at::Half>());
+  at::parallel_for(0, tiles * nb, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = i / nb, b = i % nb;
+      uint8_t* out = cp + i * code_bytes(type);
+      for (int64_t n = 0; n < kTileN; ++n) {
+        const uint8_t* blk = w + (t * kTileN + n) * nb * bpb + b * bpb;
+        uint8_t q[32];
+        const uint16_t dh = *reinterpret_cast<const uint16_t*>(blk);
+        dp[i * kTileN + n] = dh;
+        if (type == kQ8_0) {
+          std::memcpy(q, blk + 2, 32);
+          cc[i * kTileN + n] = 0;
+        } else {
+          const uint8_t* qs = blk + (type == kQ4_1 ? 4 : 2);
+          for (int j = 0; j < 16; ++j) q[j] = qs[j] & 15, q[j + 16] = qs[j] >> 4;
+          if (type == kQ4_1) {
+            cc[i * kTileN + n] = *reinterpret_cast<const uint16_t*>(blk + 2);
+          } else {  // -8 d, exact in fp16 (a power-of-two multiple)
+            const float m8 = -8.f * half_to_float(dh);
+            cc[i * kTileN + n] = static_cast<uint16_t>(_cvtss_sh(m8, 0));
+          }
+        }
+        if (type == kQ8_0) {
+          for (int p = 0; p < 8; ++p)
+            for (int j = 0; j < 4; ++j) out[p * 32 + 4 * n + j] = q[4 * p + j];
+        } else {
+          for (int p = 0; p < 4; ++p)
+            for (int j = 0; j < 4; ++j) out[p * 32 + 4 * n + j] = q[8 * p + j] | (q[8 * p + 4 + j] << 4);
+        }
+      }
+    }
+  });
+  return {codes, d, c};
+}
+
+constexpr int64_t kTileM = 4;  // activation rows sharing one unpacked weight block
+
+// Integer multiply-add of 8 lanes: each lane sums 4 u8 x s8 products into int32.
+inline __m256i madd_u8s8(__m256i acc, __m256i w, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, w, x);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, w, x);
+#else
+  // maddubs saturates int16 at 32767: fine for u8 <= 15 (15 * 128 * 2), and 8-bit codes take
+  // the sign trick below, so |u8| <= 127 (127 * 128 * 2 = 32512).
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+#endif
+}
+
+// Output tile [tile t] x activation rows [m0, m0 + tm).
+void gguf_tile(const uint8_t* codes, const uint16_t* dh, const uint16_t* ch, int64_t type, int64_t nb,
+               const int8_t* xq, const float* xd, const int32_t* xs, int64_t K, int64_t M, int64_t levels,
+               int64_t m0, int64_t tm, float* y, int64_t N, int64_t n0) {
+  __m256 acc[kTileM];
+  for (int64_t m = 0; m < tm; ++m) acc[m] = _mm256_setzero_ps();
+  const bool q8 = type == kQ8_0;
+  const int64_t cb = code_bytes(type);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* cp = codes + b * cb;
+    __m256i wv[8];
+    if (q8) {
+      for (int p = 0; p < 8; ++p) wv[p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp + 32 * p));
+    } else {
+      const __m256i mask = _mm256_set1_epi8(0x0f);
+      for (int p = 0; p < 4; ++p) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp + 32 * p));
+        wv[2 * p] = _mm256_and_si256(raw, mask);
+        wv[2 * p + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+      }
+    }
+    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dh + b * kTileN)));
+    const __m256 cv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ch + b * kTileN)));
+    for (int64_t lm = 0; lm < levels * tm; ++lm) {
+      const int64_t lv = lm / tm, m = lm % tm;
+      const int8_t* xb = xq + lv * M * K + (m0 + m) * K + b * 32;
+      __m256i isum = _mm256_setzero_si256();
+      for (int p = 0; p < 8; ++p) {
+        // 4-bit: quad order 0, 4, 1, 5, ... within each chunk pair (low nibbles, then high)
+        // 8-bit: chunk p holds weights 4p..4p+3; 4-bit: register p is chunk p/2's low (even p)
+        // or high (odd p) nibbles, weights 8(p/2)..+3 and 8(p/2)+4..+7
+        const int first = q8 ? 4 * p : 8 * (p / 2) + 4 * (p % 2);
+        int32_t x4;
+        std::memcpy(&x4, xb + first, 4);
+        const __m256i xv = _mm256_set1_epi32(x4);
+        if (q8) {  // signed codes: |w| against x with w's sign
+          isum = madd_u8s8(isum, _mm256_sign_epi8(wv[p], wv[p]), _mm256_sign_epi8(xv, wv[p]));
+        } else {
+          isum = madd_u8s8(isum, wv[p], xv);
+        }
+      }
+      const int64_t xi = lv * M * nb + (m0 + m) * nb + b;
+      const float dx = xd[xi];
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dv, _mm256_set1_ps(dx)), acc[m]);
+      acc[m] = _mm256_fmadd_ps(cv, _mm256_set1_ps(dx * static_cast<float>(xs[xi])), acc[m]);
+    }
+  }
+  for (int64_t m = 0; m < tm; ++m) _mm256_storeu_ps(y + (m0 + m) * N + n0, acc[m]);
+}
+
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& c,
+                       int64_t type, int64_t levels) {
+  TORCH_CHECK(levels == 1 || levels == 2, "levels must be 1 or 2");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be fp32 [M, K]");
+  TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() && d.is_contiguous() && c.is_contiguous(),
+              "pass the tensors gguf_repack made");
+  const int64_t M = x.size(0), K = x.size(1), tiles = codes.size(0), nb = codes.size(1), N = tiles * kTileN;
+  TORCH_CHECK(K == nb * 32 && codes.size(2) == code_bytes(type), "x does not match the packed weight");
+  const auto xc = x.contiguous();
+  auto xq = at::empty({levels, M, K}, at::kChar);
+  auto xd = at::empty({levels, M, nb}, at::kFloat);
+  auto xs = at::empty({levels, M, nb}, at::kInt);
+  quantize_rows(xc.data_ptr<float>(), M, K, levels, xq.data_ptr<int8_t>(), xd.data_ptr<float>(),
+                xs.data_ptr<int32_t>());
+  auto y = at::empty({M, N}, at::kFloat);
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
+  const uint16_t* ccp = reinterpret_cast<const uint16_t*>(c.data_ptr<at::Half>());
+  const int64_t m_tiles = (M + kTileM - 1) / kTileM;
+  // m tiles innermost: a thread reuses its weight tile (from cache) across the activation rows
+  at::parallel_for(0, tiles * m_tiles, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = i / m_tiles, mt = i % m_tiles;
+      const int64_t m0 = mt * kTileM, tm = std::min(kTileM, M - m0);
+      gguf_tile(cp + t * nb * code_bytes(type), dp + t * nb * kTileN, ccp + t * nb * kTileN, type, nb,
+                xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<int32_t>(), K, M, levels, m0, tm,
+                y.data_ptr<float>(), N, t * kTileN);
+    }
+  });
+  return y;
+}
+
+// The packed weight as a dense [N, K] matrix (fp32 or bf16): for prefill-sized batches, where a
+// blocked GEMM on the dense weight (oneDNN, AMX where present) beats integer dot products.
+at::Tensor gguf_dequantize(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& c, int64_t type,
+                           at::ScalarType dtype) {
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dequantize to float32 or bfloat16");
+  const int64_t tiles = codes.size(0), nb = codes.size(1), N = tiles * kTileN, K = nb * 32;
+  TORCH_CHECK(codes.size(2) == code_bytes(type), "codes do not match the block type");
+  auto out = at::empty({N, K}, dtype);
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
+  const uint16_t* ccp = reinterpret_cast<const uint16_t*>(c.data_ptr<at::Half>());
+  const bool q8 = type == kQ8_0, bf16 = dtype == at::kBFloat16;
+  float* of = bf16 ? nullptr : out.data_ptr<float>();
+  uint16_t* ob = bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr;
+  at::parallel_for(0, tiles * nb, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = i / nb, b = i % nb;
+      const uint8_t* blk = cp + i * code_bytes(type);
+      // row n's 8 consecutive codes of each step, as bytes in the low 64 bits of a lane pair
+      __m128i rows[kTileN][4];
+      if (q8) {
+        for (int p = 0; p < 8; p += 2) {  // chunks p, p+1: weights 4p..4p+7 of every row
+          const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * p));
+          const __m256i c2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * (p + 1)));
+          const __m256i lo = _mm256_unpacklo_epi32(a, c2), hi = _mm256_unpackhi_epi32(a, c2);
+          // lo: rows 0,1 | 4,5; hi: rows 2,3 | 6,7 (64 bits each)
+          rows[0][p / 2] = _mm256_castsi256_si128(lo);
+          rows[1][p / 2] = _mm_srli_si128(_mm256_castsi256_si128(lo), 8);
+          rows[2][p / 2] = _mm256_castsi256_si128(hi);
+          rows[3][p / 2] = _mm_srli_si128(_mm256_castsi256_si128(hi), 8);
+          rows[4][p / 2] = _mm256_extracti128_si256(lo, 1);
+          rows[5][p / 2] = _mm_srli_si128(_mm256_extracti128_si256(lo, 1), 8);
+          rows[6][p / 2] = _mm256_extracti128_si256(hi, 1);
+          rows[7][p / 2] = _mm_srli_si128(_mm256_extracti128_si256(hi, 1), 8);
+        }
+      } else {
+        const __m256i mask = _mm256_set1_epi8(0x0f);
+        for (int p = 0; p < 4; ++p) {  // chunk p: weights 8p..8p+3 (low nibbles), 8p+4..8p+7 (high)
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * p));
+          const __m256i a = _mm256_and_si256(raw, mask), c2 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+          const __m256i lo = _mm256_unpacklo_epi32(a, c2), hi = _mm256_unpackhi_epi32(a, c2);
+          rows[0][p] = _mm256_castsi256_si128(lo);
+          rows[1][p] = _mm_srli_si128(_mm256_castsi256_si128(lo), 8);
+          rows[2][p] = _mm256_castsi256_si128(hi);
+          rows[3][p] = _mm_srli_si128(_mm256_castsi256_si128(hi), 8);
+          rows[4][p] = _mm256_extracti128_si256(lo, 1);
+          rows[5][p] = _mm_srli_si128(_mm256_extracti128_si256(lo, 1), 8);
+          rows[6][p] = _mm256_extracti128_si256(hi, 1);
+          rows[7][p] = _mm_srli_si128(_mm256_extracti128_si256(hi, 1), 8);
+        }
+      }
+      for (int64_t n = 0; n < kTileN; ++n) {
+        const __m256 dn = _mm256_set1_ps(half_to_float(dp[i * kTileN + n]));
+        const __m256 cn = _mm256_set1_ps(half_to_float(ccp[i * kTileN + n]));
+        const int64_t off = (t * kTileN + n) * K + b * 32;
+        for (int s8 = 0; s8 < 4; ++s8) {
+          const __m256i qi = q8 ? _mm256_cvtepi8_epi32(rows[n][s8]) : _mm256_cvtepu8_epi32(rows[n][s8]);
+          const __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(qi), dn, cn);
+          if (!bf16) {
+            _mm256_storeu_ps(of + off + 8 * s8, w);
+          } else {  // round to nearest even: add 0x7fff + the kept lowest bit, then truncate
+            const __m256i bits = _mm256_castps_si256(w);
+            const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+            const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)), lsb), 16);
+            const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(ob + off + 8 * s8), packed);
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
+#endif  // LOCALLLM_GGUF_KERNELS
+
+}  // namespace
+
+TORCH_LIBRARY(localllm_cpu, m) {
+  m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor seq_lens, "
+        "Tensor block_tables, float scale, int max_q) -> Tensor");
+#ifdef LOCALLLM_GGUF_KERNELS
+  m.def("gguf_repack(Tensor weight, int type, int in_features) -> Tensor[]");
+  m.def("gguf_linear(Tensor x, Tensor codes, Tensor d, Tensor c, int type, int levels) -> Tensor");
+  m.def("gguf_dequantize(Tensor codes, Tensor d, Tensor c, int type, ScalarType dtype) -> Tensor");
+#endif
+}
+
+TORCH_LIBRARY_IMPL(localllm_cpu, CPU, m) {
+  m.impl("store_kv", &store_kv);
+  m.impl("paged_attention", &paged_attention);
+#ifdef LOCALLLM_GGUF_KERNELS
+  m.impl("gguf_repack", &gguf_repack);
+  m.impl("gguf_linear", &gguf_linear);
+  m.impl("gguf_dequantize", &gguf_dequantize);
+#endif
+}

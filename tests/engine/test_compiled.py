@@ -1,0 +1,57 @@
+"""The CPU decode paths that replace the plain eager step: the forward compiled by
+torch.compile, and the static-buffer bucket path CUDA graphs replay (run eagerly here). Each
+must give the plain path's greedy tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from localllm import LLM, SamplingParams
+from localllm.kernels import cpu_ops
+from tests.models.test_random_models import tokenizer_folder, write_random_model  # noqa: F401 (fixture)
+
+PROMPTS = ["The history of Paris", "Write a haiku about the sea.", "1, 2, 3, 4,"]
+
+
+def _tokens(llm: LLM, n: int = 24) -> list[list[int]]:
+    # three prompts at once, then one alone: decode batches of 3, 2 and 1 as requests finish
+    params = [SamplingParams(temperature=0, max_tokens=n + 8 * i, ignore_eos=True) for i in range(3)]
+    outs = llm.generate(PROMPTS, params)
+    alone = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    return [o.outputs[0].token_ids for o in outs + alone]
+
+
+@pytest.fixture
+def compiling(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LOCALLLM_NO_COMPILE", raising=False)
+
+
+@pytest.mark.skipif(not cpu_ops.has_gguf_kernels(), reason="the GGUF plan needs the CPU kernels")
+def test_default_model_compiled_matches_eager(default_model_path: Path, compiling: None) -> None:
+    eager = LLM(str(default_model_path), device="cpu", compile=False)
+    assert eager.engine.precision.startswith("gguf")  # the CPU default for a GGUF file
+    compiled = LLM(str(default_model_path), device="cpu", compile=True)
+    assert compiled.engine.runner._decode_gives_logits  # the compiled decode path is in use
+    assert _tokens(compiled) == _tokens(eager)
+
+
+@pytest.mark.parametrize("arch", ["Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM"])
+def test_random_models_compiled_match_eager(arch: str, tmp_path: Path, tokenizer_folder: Path,  # noqa: F811
+                                            compiling: None) -> None:
+    path = write_random_model(tmp_path / arch, arch, tokenizer_folder, tied=arch != "LlamaForCausalLM")
+    eager = LLM(str(path), dtype="float32", device="cpu", compile=False)
+    compiled = LLM(str(path), dtype="float32", device="cpu", compile=True)
+    assert _tokens(compiled, 12) == _tokens(eager, 12)
+
+
+def test_bucketed_static_buffers_match_plain(default_model_path: Path) -> None:
+    """The CUDA-graph bookkeeping (static buffers, buckets, padding rows with slot -1), run
+    eagerly: batches of 3 and 2 miss the buckets and are padded to 4, 1 hits one; contexts
+    grow across block boundaries as the tokens come."""
+    plain = LLM(str(default_model_path), dtype="float32", device="cpu", compile=False)
+    buckets = LLM(str(default_model_path), dtype="float32", device="cpu", compile=False, decode_buckets=[1, 4])
+    assert buckets.engine.runner.buckets == [1, 4]
+    assert _tokens(buckets) == _tokens(plain)

@@ -1,0 +1,119 @@
+"""The C++ CPU kernels (kernels/cpu_ops.cpp) against their torch references: paged attention
+read in place, the KV write, and the GGUF block linear."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from localllm.kernels import cpu_ops
+from localllm.kernels.paged_attention import CPU_INPLACE_MAX_Q, paged_attention_cpu, paged_attention_ref
+
+pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason="CPU kernels could not be built here")
+
+
+def _paged(lens: list[int], q_lens: list[int], heads: int, kv_heads: int, num_blocks: int = 512, bs: int = 16):
+    """A random pool and a batch whose block tables are scattered over it."""
+    k = torch.randn(num_blocks, bs, kv_heads, 64)
+    v = torch.randn(num_blocks, bs, kv_heads, 64)
+    width = max(-(-n // bs) for n in lens)
+    perm = torch.randperm(num_blocks)
+    tables = torch.stack([perm[i * width : (i + 1) * width] for i in range(len(lens))]).int()
+    qsl = torch.tensor([0, *np.cumsum(q_lens)], dtype=torch.int32)
+    q = torch.randn(int(qsl[-1]), heads, 64) * 2
+    return q, k, v, qsl, torch.tensor(lens, dtype=torch.int32), tables
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 8), (32, 8), (4, 1)])
+def test_paged_attention_in_place_matches_reference(heads: int, kv_heads: int) -> None:
+    # decodes of very different lengths (one long enough to split), extends over a cached
+    # prefix (up to CPU_INPLACE_MAX_Q new tokens), and one long prefill the SDPA path takes
+    lens = [5, 1100, 37, 16 + 3, 40 + 16, 60]
+    q_lens = [1, 1, 1, 3, CPU_INPLACE_MAX_Q, 60]
+    q, k, v, qsl, sl, tables = _paged(lens, q_lens, heads, kv_heads)
+    ref = paged_attention_ref(q, k, v, qsl, sl, tables, 0.125, 3)
+    out = paged_attention_cpu(q, k, v, qsl, sl, tables, 0.125)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    # the raw op leaves rows of longer sequences to the caller
+    raw = torch.ops.localllm_cpu.paged_attention(q, k, v, qsl, sl, tables, 0.125, CPU_INPLACE_MAX_Q)
+    assert raw[qsl[-2] :].abs().max() == 0
+    torch.testing.assert_close(raw[: qsl[-2]], ref[: qsl[-2]], atol=2e-5, rtol=1e-4)
+
+
+def test_paged_attention_rejects_block_ids_outside_the_pool() -> None:
+    q, k, v, qsl, sl, tables = _paged([20], [1], 4, 2)
+    tables[0, 1] = 10_000
+    with pytest.raises(RuntimeError, match="outside the KV pool"):
+        torch.ops.localllm_cpu.paged_attention(q, k, v, qsl, sl, tables, 0.125, 16)
+
+
+def test_store_kv_writes_slots_and_skips_padding() -> None:
+    kc = torch.zeros(4, 16, 2, 64)
+    vc = torch.zeros(4, 16, 2, 64)
+    qkv = torch.randn(3, 3 * 128)  # k and v as strided views of one fused projection, as in the model
+    k, v = qkv[:, 128:256].view(3, 2, 64), qkv[:, 256:].view(3, 2, 64)
+    slots = torch.tensor([17, -1, 63])
+    torch.ops.localllm_cpu.store_kv(k, v, kc, vc, slots)
+    flat_k, flat_v = kc.view(-1, 2, 64), vc.view(-1, 2, 64)
+    assert torch.equal(flat_k[17], k[0]) and torch.equal(flat_v[63], v[2])
+    written = (flat_k.abs().sum((1, 2)) > 0).nonzero().flatten().tolist()
+    assert written == [17, 63]  # the padding row (slot -1) wrote nothing
+
+
+def _quantized_x(x: torch.Tensor, levels: int) -> torch.Tensor:
+    """What the kernel multiplies by: x per 32-block rounded to int8, then (level 2) the
+    remainder rounded again."""
+    out = torch.zeros_like(x)
+    rest = x.clone()
+    for _ in range(levels):
+        b = rest.view(x.shape[0], -1, 32)
+        d = b.abs().amax(-1, keepdim=True) / 127
+        q = (torch.round(b / torch.where(d > 0, d, 1)) * d).view_as(x)
+        out, rest = out + q, rest - q
+    return out
+
+
+@pytest.mark.skipif(not cpu_ops.has_gguf_kernels(), reason="GGUF kernels need an x86-64-v3 CPU")
+@pytest.mark.parametrize("type_", [2, 3, 8], ids=["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("levels", [1, 2])
+def test_gguf_linear_matches_gguf_reference(type_: int, levels: int) -> None:
+    from localllm.quant.gguf import GGUFBlocks, GGUFLinear, dequantize_blocks, quantize_blocks
+
+    w = torch.randn(96, 160) * 0.05
+    blocks = quantize_blocks(w, type_)
+    lin = GGUFLinear(160, 96, type_, output_sizes=[32, 64])
+    lin.load_weight("weight", GGUFBlocks(type_, blocks[:32].clone()), 0)
+    lin.load_weight("weight", GGUFBlocks(type_, blocks[32:].clone()), 1)
+    ref_w = dequantize_blocks(blocks, type_)
+    assert torch.equal(lin.dequantize(), ref_w)  # the file's own values, not rounded again
+    rows = torch.tensor([0, 7, 8, 95, 42])
+    assert torch.equal(lin.dequantize_rows(rows), ref_w[rows])
+    for m in (1, 5, 16):
+        x = torch.randn(m, 160)
+        y = torch.ops.localllm_cpu.gguf_linear(x, lin.codes, lin.d, lin.c, type_, levels)
+        ref = _quantized_x(x, levels).double() @ ref_w.double().T
+        torch.testing.assert_close(y.double(), ref, atol=1e-5, rtol=1e-5)
+    # two levels follow the float activations far more closely than one
+    x = torch.randn(4, 160)
+    exact = x.double() @ ref_w.double().T
+    err = {lv: (torch.ops.localllm_cpu.gguf_linear(x, lin.codes, lin.d, lin.c, type_, lv) - exact).abs().max()
+           for lv in (1, 2)}
+    assert err[2] < err[1] / 20
+
+
+@pytest.mark.skipif(not cpu_ops.has_gguf_kernels(), reason="GGUF kernels need an x86-64-v3 CPU")
+@pytest.mark.parametrize("type_", [2, 3, 8], ids=["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_dequantize_is_the_files_weight(type_: int) -> None:
+    """The dense expansion prefill multiplies with: exact in fp32, bf16-rounded in bf16."""
+    from localllm.quant.gguf import GGUFBlocks, GGUFLinear, dequantize_blocks, quantize_blocks
+
+    w = torch.randn(64, 96) * 0.05
+    blocks = quantize_blocks(w, type_)
+    lin = GGUFLinear(96, 64, type_)
+    lin.load_weight("weight", GGUFBlocks(type_, blocks), None)
+    ref = dequantize_blocks(blocks, type_)
+    dense = torch.ops.localllm_cpu.gguf_dequantize(lin.codes, lin.d, lin.c, type_, torch.float32)
+    assert torch.equal(dense, ref)
+    dense16 = torch.ops.localllm_cpu.gguf_dequantize(lin.codes, lin.d, lin.c, type_, torch.bfloat16)
+    assert torch.equal(dense16, ref.bfloat16())

@@ -21,7 +21,8 @@ the JSON is rewritten after every section, so a killed run keeps what it measure
   step sees.
 - tests: ``pytest tests/kernels`` for real on CUDA (TRITON_INTERPRET unset).
 - e2e: a random-weight Llama-3.1-8B-shaped HF folder (bf16, in /tmp), run through
-  ``localllm.LLM`` at batch 1 and 64 for each quantization, plus HF transformers when
+  ``localllm.LLM`` at batch 1 and 64 for each quantization, then bf16 with an FP8 KV cache
+  (``kv-fp8``) and bf16 without CUDA graphs (``no-graphs``), plus HF transformers when
   importable. Batch-1 decode speed is the difference of two runs (16 and 144 new tokens), so
   prefill and warm-up cancel; it is compared with the weight-bytes-per-token roofline.
 """
@@ -613,6 +614,9 @@ def section_e2e(
         return time.perf_counter() - t, n_tok
 
     results = out.setdefault("runs", {})
+    # Runs that are not a weight quantization: bf16 weights with another engine option.
+    variants: dict[str, dict[str, Any]] = {"kv-fp8": {"quant": "none", "kv_cache_dtype": "fp8"},
+                                           "no-graphs": {"quant": "none", "use_cuda_graphs": False}}
     for quant in quants:
         if deadline.left() < (20 if smoke else 60):
             results[quant] = {"skipped": f"time budget ({deadline.left():.0f} s left)"}
@@ -621,8 +625,10 @@ def section_e2e(
         results[quant] = r
         try:
             t = time.monotonic()
-            llm = LLM(model=str(folder), device=device, dtype=dtype_name, quant=quant,
-                      max_model_len=1024 if not smoke else 128)  # fmt: skip
+            options = variants.get(quant, {"quant": quant})
+            llm = LLM(model=str(folder), device=device, dtype=dtype_name,
+                      max_model_len=1024 if not smoke else 128, **options)  # fmt: skip
+            r["options"] = options
             r["load_s"] = round(time.monotonic() - t, 1)
             timed(llm, 1, short)  # warm-up: compiles, autotunes, captures graphs
             t_short, _ = timed(llm, 1, short)
@@ -756,8 +762,9 @@ def main() -> int:
     ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma list of {SECTIONS}")
     ap.add_argument("--budget", type=float, default=285.0, help="seconds for the whole run")
     ap.add_argument("--reps", type=int, default=30, help="timed repetitions per case")
-    ap.add_argument("--e2e-quants", default="none,rtn4,fp8,int8",
-                    help="quant methods for the e2e runs (rtn4 = AWQ format, no calibration)")
+    ap.add_argument("--e2e-quants", default="none,rtn4,fp8,int8,kv-fp8,no-graphs",
+                    help="quant methods for the e2e runs (rtn4 = AWQ format, no calibration), and the"
+                         " bf16 variants kv-fp8 (FP8 KV cache) and no-graphs (CUDA graphs off)")
     ap.add_argument("--e2e-layers", type=int, default=32, help="decoder layers of the 8B-shaped model")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers comparison")
     ap.add_argument("--out", default=None, help="JSON path (default $OUT/gpu_check.json or ./gpu_check.json)")

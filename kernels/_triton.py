@@ -1,4 +1,11 @@
-"""Whether the Triton path can run: Triton imports, and the tensor lives on a CUDA device.
+"""Whether the Triton path can run: Triton imports, and the tensor lives on a CUDA device, or
+on the CPU in rehearsal mode.
+
+Rehearsal mode (``LOCALLLM_TRITON_ON_CPU=1``, which implies ``TRITON_INTERPRET=1``) sends CPU
+tensors through the Triton path under the interpreter, posing as a GPU of compute capability
+``REHEARSAL_CAPABILITY``: the model and the engine then run every kernel together, as a GPU
+would, on a machine without one. It is for tests and bisecting, slow (~4 ms per inner-loop
+iteration) and wrong for bf16 (the interpreter computes bf16 on raw bits).
 
 Also the few helpers every kernel file shares: a stand-in ``triton``/``tl`` where Triton is
 missing (so the kernel files still import and their torch references still run), launch
@@ -14,6 +21,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
+# Before Triton is imported: the interpreter is chosen when each @triton.jit decorator runs.
+if os.environ.get("LOCALLLM_TRITON_ON_CPU") == "1":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 try:  # Triton is Linux-only; macOS and Windows run the torch references.
     import triton
@@ -41,18 +52,33 @@ except ImportError:  # pragma: no cover - depends on the platform
 
 # Under TRITON_INTERPRET=1 the kernels run on CPU tensors, which is how CI tests them.
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# Read at call time (use_triton, capability, rehearsing), so tests can switch it per test.
+REHEARSAL = HAS_TRITON and INTERPRET and os.environ.get("LOCALLLM_TRITON_ON_CPU") == "1"
+if os.environ.get("LOCALLLM_TRITON_ON_CPU") == "1" and not REHEARSAL:
+    import warnings
+
+    warnings.warn(
+        "LOCALLLM_TRITON_ON_CPU=1 is ignored: "
+        + ("Triton is not installed" if not HAS_TRITON else "TRITON_INTERPRET is set, but not to 1"),
+        stacklevel=1,
+    )
+# What a rehearsal poses as: Hopper, so every path (FP8 GEMM, FP8 KV) is taken.
+REHEARSAL_CAPABILITY = (9, 0)
 
 __all__ = [
     "HAS_TRITON",
     "INTERPRET",
+    "REHEARSAL_CAPABILITY",
     "Config",
     "capability",
     "configs_for",
     "dot_fp32",
     "gemm_backend_choice",
+    "gpu_tiles",
     "launch_configs",
     "next_power_of_2",
     "num_sms",
+    "rehearsing",
     "round_half_even",
     "round_to_e4m3_grid",
     "scale_tensor",
@@ -62,8 +88,20 @@ __all__ = [
 ]
 
 
+def rehearsing() -> bool:
+    """Whether CPU tensors take the Triton path (rehearsal mode; see the module docstring)."""
+    return REHEARSAL
+
+
 def use_triton(t: torch.Tensor) -> bool:
-    return HAS_TRITON and t.is_cuda
+    return HAS_TRITON and (t.is_cuda or (REHEARSAL and t.device.type == "cpu"))
+
+
+def gpu_tiles(t: torch.Tensor) -> bool:
+    """Whether a launch takes the tile configs a GPU would (the autotuner's, collapsed to its
+    first config under the interpreter): on CUDA, and in a rehearsal, which poses as a GPU.
+    The interpreter's kernel tests keep small fixed tiles instead, which cost less there."""
+    return REHEARSAL or (t.is_cuda and not INTERPRET)
 
 
 def next_power_of_2(n: int) -> int:
@@ -87,7 +125,7 @@ def _device_props(index: int) -> tuple[int, int, int]:
 
 def capability(t: torch.Tensor) -> tuple[int, int]:
     if not t.is_cuda:
-        return (0, 0)
+        return REHEARSAL_CAPABILITY if REHEARSAL and t.device.type == "cpu" else (0, 0)
     major, minor, _ = _device_props(t.device.index or 0)
     return major, minor
 
@@ -207,14 +245,15 @@ def gemm_backend_choice(key: tuple[Any, ...], candidates: dict[str, Callable[[],
     """Name of the fastest candidate for this shape key, measured on first use and cached.
 
     The first candidate is the kernel; it is also the answer while a CUDA graph is being
-    captured (timing would break the capture) and when LOCALLLM_GEMM_BACKEND=triton. Every
+    captured (timing would break the capture), under the interpreter (timing it means nothing,
+    and a rehearsal is there to run the kernel) and when LOCALLLM_GEMM_BACKEND=triton. Every
     other candidate is a torch path; LOCALLLM_GEMM_BACKEND=torch picks the last one.
     """
     names = list(candidates)
-    if _FORCED == "triton":
-        return names[0]
     if _FORCED == "torch":
         return names[-1]
+    if _FORCED == "triton" or INTERPRET:
+        return names[0]
     hit = _CHOICES.get(key)
     if hit is not None:
         return hit

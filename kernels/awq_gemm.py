@@ -27,6 +27,7 @@ from localllm.kernels._triton import (
     configs_for,
     dot_fp32,
     gemm_backend_choice,
+    gpu_tiles,
     grouped_tile,
     m_bucket,
     make_autotuner,
@@ -345,7 +346,7 @@ def awq_gemm_triton(
         DOT_FP32=dot_fp32(x),
     )
     max_split = MAX_SPLIT_K if gemv else 1
-    if config is None and INTERPRET:
+    if config is None and not gpu_tiles(x):
         config = _INTERPRET_GEMV if gemv else _INTERPRET_GEMM
     if config is not None:
         max_split = config.kwargs["SPLIT_K"]

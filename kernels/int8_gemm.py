@@ -22,6 +22,7 @@ from localllm.kernels._triton import (
     configs_for,
     dot_fp32,
     gemm_backend_choice,
+    gpu_tiles,
     grouped_tile,
     m_bucket,
     make_autotuner,
@@ -332,7 +333,7 @@ def launch_w8_gemm(
     a8 = a_scale is not None
     int8_dot = a.dtype == torch.int8
     gemv = m <= GEMV_MAX_M
-    if config is None and INTERPRET:
+    if config is None and not gpu_tiles(a):
         config = _INTERPRET_GEMV if gemv else _INTERPRET_GEMM
     max_split = config.kwargs["SPLIT_K"] if config is not None else (MAX_SPLIT_K if gemv else 1)
     if max_split > 1:

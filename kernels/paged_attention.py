@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from localllm.kernels._triton import (
-    INTERPRET,
     capability,
     dot_fp32,
+    gpu_tiles,
     next_power_of_2,
     num_sms,
     scale_tensor,
@@ -405,7 +405,7 @@ def _tile_config(
     cache needing 64 rows to stay spill-free.
     """
     min_rows = max(16, next_power_of_2(qpkv))
-    if INTERPRET or not q.is_cuda:
+    if not gpu_tiles(q):
         # Under the interpreter a bigger tile costs less (numpy ops), but tests pin sizes.
         return (min_rows, 32, 4, 1) if decode else (max(min_rows, 32), 32, 4, 1)
     if decode:

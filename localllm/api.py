@@ -36,7 +36,8 @@ class LLM:
     ) -> None:
         """``engine_options`` are ``EngineConfig`` fields: dtype, device, quant, max_model_len,
         max_num_seqs, max_num_batched_tokens, block_size, num_kv_blocks, enable_prefix_caching,
-        gpu_memory_utilization, use_cuda_graphs."""
+        gpu_memory_utilization, use_cuda_graphs, kv_cache_dtype ("auto", "fp8"/"fp8_e4m3") and
+        calculate_kv_scales (FP8 scales from a calibration prompt instead of 1.0)."""
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options), progress)
 
     @property

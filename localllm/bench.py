@@ -46,7 +46,10 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from localllm.tokenizer import Tokenizer
 
 WORKLOADS = ("chats", "rag", "multiturn")
 EXTRA_WORKLOADS = ("guided",)  # run only when named
@@ -433,6 +436,11 @@ def chat_requests(n: int, mix: str, rounds: int, scale: float, nonce: str) -> li
 
 def document(target: _Target, tokens: int, nonce: str) -> str:
     """Pseudo-prose of about ``tokens`` tokens; exact when the tokenizer is at hand."""
+    return prose(tokens, nonce, target.llm.tokenizer if target.llm is not None else None)
+
+
+def prose(tokens: int, nonce: str, tokenizer: Tokenizer | None = None) -> str:
+    """``document``'s text for a caller that holds a tokenizer but no engine (bench/peers.py)."""
     rng = random.Random(42)
     sentences = []
     words = 0
@@ -441,9 +449,8 @@ def document(target: _Target, tokens: int, nonce: str) -> str:
         sentences.append(" ".join(rng.choice(_DOC_WORDS) for _ in range(k)).capitalize() + ".")
         words += k
     text = f"Document {nonce}. " + " ".join(sentences)
-    if target.llm is not None:
-        tok = target.llm.tokenizer
-        return tok.decode(tok.encode(text, add_special_tokens=False)[:tokens])
+    if tokenizer is not None:
+        return tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)[:tokens])
     return " ".join(text.split()[: int(tokens / 1.1)])
 
 
@@ -776,6 +783,9 @@ def register(sub: Any) -> None:
     p: argparse.ArgumentParser = sub.add_parser(
         "bench", help="throughput and latency: concurrent chats, shared-prefix RAG, multi-turn",
         description="Benchmarks the local engine, or any OpenAI-compatible server with --endpoint.",
+        # peers.py lives in the source tree, not the wheel: it builds llama.cpp with cmake
+        epilog="Against llama.cpp on the same GGUF, in one run with ratios: python bench/peers.py "
+               "(in a source checkout; --help there).",
     )
     _add_model_arg(p)
     p.add_argument("--endpoint", default=None, help="benchmark this OpenAI-compatible server instead")
@@ -827,7 +837,8 @@ def main(args: argparse.Namespace) -> int:
         config = EngineConfig(
             model=args.model, dtype=args.dtype, device=args.device, quant=args.quant,
             max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
-            max_num_seqs=max(max(args.chats), 1),
+            max_num_seqs=max(max(args.chats), 1), kv_cache_dtype=args.kv_cache_dtype,
+            calculate_kv_scales=args.calculate_kv_scales,
         )
         engine = AsyncEngine(LLMEngine(config, progress=_progress_printer()))
 

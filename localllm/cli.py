@@ -9,12 +9,9 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from importlib.metadata import PackageNotFoundError, version
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from localllm.errors import LocalLLMError
-
-if TYPE_CHECKING:
-    from rich.console import Console
 
 
 def _version() -> str:
@@ -70,6 +67,17 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: the best available)")
     p.add_argument("--no-compile", action="store_true",
                    help="CPU: run the decode step eagerly instead of through torch.compile (also LOCALLLM_NO_COMPILE=1)")
+    _add_kv_cache_args(p)
+
+
+def _add_kv_cache_args(p: argparse.ArgumentParser) -> None:
+    from localllm.hardware.sizing import KV_CACHE_DTYPES  # no torch
+
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="KV cache storage: auto (the plan's: 16-bit, fp8 on sm89+ GPUs only where 16-bit does not"
+                        " fit; fp32 on CPU) or fp8 (e4m3, half a 16-bit cache)")
+    p.add_argument("--calculate-kv-scales", action="store_true",
+                   help="fp8 KV cache: per-layer scales from a calibration prompt at start-up instead of 1.0")
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -173,19 +181,6 @@ def build_parser() -> argparse.ArgumentParser:
     for register in _COMMANDS:
         _lazy(register)(sub)  # type: ignore[arg-type]
     return parser
-
-
-def stdout_console(**options: Any) -> Console:
-    """A rich Console on stdout whose broken pipe (``localllm models | head``) raises
-    BrokenPipeError, which ``main`` ends quietly; rich's own handler exits with status 1."""
-    from rich.console import Console
-
-    class _PipeConsole(Console):
-        def on_broken_pipe(self) -> None:
-            self.quiet = True
-            raise BrokenPipeError
-
-    return _PipeConsole(**options)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -42,7 +42,8 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> Any:
 
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, quant=args.quant,
-        max_model_len=args.max_model_len, compile=not args.no_compile, **overrides,
+        max_model_len=args.max_model_len, compile=not args.no_compile, kv_cache_dtype=args.kv_cache_dtype,
+        calculate_kv_scales=args.calculate_kv_scales, **overrides,
     )
 
 
@@ -132,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
         "model": engine.model_name,
         "precision": engine.precision,
         "device": str(engine.device),
+        "kv_cache": {"dtype": str(engine.kv_cache_dtype).removeprefix("torch."), "scales": engine.kv_scales},
         "prompt_token_ids": result.prompt_token_ids,
         "output_token_ids": result.outputs[0].token_ids,
         "text": result.outputs[0].text,
@@ -203,7 +205,7 @@ def models(args: argparse.Namespace) -> int:
         return 0
     from rich.table import Table
 
-    from localllm.cli import stdout_console
+    from localllm.console import stdout_console
 
     table = Table(title=f"models (store: {store.models_dir()})")
     for col in ("id", "params", "status", "path"):

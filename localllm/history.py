@@ -3,10 +3,17 @@
 No Textual here: the TUI drives it, but it is plain storage that a script or test can use.
 
 Durability rules the TUI relies on:
-- the connection runs in autocommit mode, so every ``add_message`` is on disk when it returns
-  (WAL keeps that cheap and lets a killed process leave a database the next start opens as is);
+- the connection runs in autocommit mode, so every ``add_message`` and ``update_message`` is
+  one transaction, on disk when it returns (WAL keeps that cheap and lets a killed process
+  leave a database the next start opens as is);
+- a reply being streamed is a row with ``finish_reason`` NULL, rewritten as it grows; a row
+  still NULL when its chat is next opened was cut short by a crash (``mark_interrupted``);
 - the schema version lives in ``PRAGMA user_version`` and each version has one upgrade
   function, run in order inside a transaction, so an old file is upgraded on open.
+
+Messages form a tree: each has a ``parent_id`` (None for a first message), and a conversation's
+``head_id`` names the leaf of the branch on screen. Editing a message or regenerating a reply
+adds a sibling and moves the head; the old branch stays, reachable with ``switch_branch``.
 """
 
 from __future__ import annotations
@@ -37,6 +44,8 @@ class Conversation:
     updated: float
     tab_position: int | None = None  # open as a tab at this position when the app last ran
     num_messages: int = 0
+    head_id: int | None = None  # the last message of the branch shown
+    dropped_until: int | None = None  # this message and those before it on the branch are not sent
 
 
 @dataclass(slots=True)
@@ -46,8 +55,12 @@ class StoredMessage:
     role: str  # "user" | "assistant"
     content: str
     created: float
-    finish_reason: str | None = None  # "stop" | "length" | "abort" for replies
-    meta: dict[str, Any] = field(default_factory=dict)  # tok/s, cached tokens, model...
+    # "stop" | "length" | "abort" | "error" | "interrupted" for replies; None while one streams
+    finish_reason: str | None = None
+    meta: dict[str, Any] = field(default_factory=dict)  # tok/s, token counts, cached tokens...
+    parent_id: int | None = None
+    sibling_index: int = 0  # place among the messages that share this one's parent, by age
+    num_siblings: int = 1
 
 
 @dataclass(slots=True)
@@ -110,7 +123,23 @@ def _v2_fts(db: sqlite3.Connection) -> None:
     db.execute("INSERT INTO messages_fts(messages_fts) VALUES ('rebuild')")
 
 
-_MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_v1_tables, _v2_fts]
+def _v3_branches(db: sqlite3.Connection) -> None:
+    # Until v2 a conversation was a list: each message's parent is the one before it.
+    db.execute("ALTER TABLE messages ADD COLUMN parent_id INTEGER REFERENCES messages(id) ON DELETE CASCADE")
+    db.execute("ALTER TABLE conversations ADD COLUMN head_id INTEGER")
+    db.execute("ALTER TABLE conversations ADD COLUMN dropped_until INTEGER")
+    db.execute("CREATE INDEX messages_by_parent ON messages(parent_id)")
+    db.execute(
+        """UPDATE messages SET parent_id = (SELECT MAX(p.id) FROM messages p
+               WHERE p.conversation_id = messages.conversation_id AND p.id < messages.id)"""
+    )
+    db.execute("UPDATE conversations SET head_id = (SELECT MAX(m.id) FROM messages m WHERE m.conversation_id = conversations.id)")
+    # UI state that outlives a session (theme, active tab): one row per key.
+    db.execute("CREATE TABLE app_state (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+
+
+_MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_v1_tables, _v2_fts, _v3_branches]
+HEAD = -1  # add_message's default parent: the conversation's current head
 SCHEMA_VERSION = len(_MIGRATIONS)
 
 
@@ -177,7 +206,7 @@ class History:
                             tab_position)
 
     def update_conversation(self, conversation_id: int, **fields: Any) -> None:
-        allowed = {"title", "system_prompt", "params", "model", "tab_position"}
+        allowed = {"title", "system_prompt", "params", "model", "tab_position", "dropped_until"}
         unknown = set(fields) - allowed
         if unknown:
             raise HistoryError(f"unknown conversation fields {sorted(unknown)}")
@@ -228,28 +257,145 @@ class History:
 
     def add_message(
         self, conversation_id: int, role: str, content: str, finish_reason: str | None = None,
-        meta: dict[str, Any] | None = None,
+        meta: dict[str, Any] | None = None, parent_id: int | None = HEAD,
     ) -> StoredMessage:
+        """Appends under ``parent_id`` (default: the head; None: a new first message) and makes
+        the new message the head, in one transaction."""
         now = time.time()
         with self._tx() as db:
+            if parent_id == HEAD:
+                row = db.execute("SELECT head_id FROM conversations WHERE id = ?", (conversation_id,)).fetchone()
+                parent_id = row[0] if row else None
             cur = db.execute(
-                "INSERT INTO messages (conversation_id, role, content, created, finish_reason, meta)"
-                " VALUES (?, ?, ?, ?, ?, ?)",
-                (conversation_id, role, content, now, finish_reason, json.dumps(meta or {})),
+                "INSERT INTO messages (conversation_id, role, content, created, finish_reason, meta, parent_id)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (conversation_id, role, content, now, finish_reason, json.dumps(meta or {}), parent_id),
             )
-            db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (now, conversation_id))
-        return StoredMessage(int(cur.lastrowid or 0), conversation_id, role, content, now, finish_reason,
-                             dict(meta or {}))
+            message_id = int(cur.lastrowid or 0)
+            db.execute("UPDATE conversations SET updated = ?, head_id = ? WHERE id = ?",
+                       (now, message_id, conversation_id))
+            siblings = self._sibling_ids(conversation_id, parent_id)
+        return StoredMessage(message_id, conversation_id, role, content, now, finish_reason, dict(meta or {}),
+                             parent_id, siblings.index(message_id), len(siblings))
+
+    def update_message(
+        self, message_id: int, *, content: str | None = None, finish_reason: str | None = None,
+        meta: dict[str, Any] | None = None,
+    ) -> None:
+        """Rewrites the given fields (None: unchanged) in one transaction: a streaming reply
+        calls this about once a second, so a crash loses at most that much of it."""
+        sets, values = [], []
+        if content is not None:
+            sets.append("content = ?")
+            values.append(content)
+        if finish_reason is not None:
+            sets.append("finish_reason = ?")
+            values.append(finish_reason)
+        if meta is not None:
+            sets.append("meta = ?")
+            values.append(json.dumps(meta))
+        if not sets:
+            return
+        with self._tx() as db:
+            db.execute(f"UPDATE messages SET {', '.join(sets)} WHERE id = ?", (*values, message_id))
+            db.execute("UPDATE conversations SET updated = ? WHERE id = (SELECT conversation_id FROM messages"
+                       " WHERE id = ?)", (time.time(), message_id))
+
+    def delete_message(self, message_id: int) -> None:
+        """Deletes a message and everything under it. A head inside that subtree moves to the
+        message's parent, or for a first message to the newest other branch."""
+        with self._tx() as db:
+            row = db.execute("SELECT conversation_id, parent_id FROM messages WHERE id = ?", (message_id,)).fetchone()
+            if row is None:
+                return
+            cid, parent = row["conversation_id"], row["parent_id"]
+            db.execute("DELETE FROM messages WHERE id = ?", (message_id,))
+            head = db.execute("SELECT head_id FROM conversations WHERE id = ?", (cid,)).fetchone()[0]
+            if head is not None and db.execute("SELECT 1 FROM messages WHERE id = ?", (head,)).fetchone():
+                return
+            if parent is None:
+                root = db.execute("SELECT MAX(id) FROM messages WHERE conversation_id = ? AND parent_id IS NULL",
+                                  (cid,)).fetchone()[0]
+                parent = None if root is None else _newest_leaf(db, int(root))
+            db.execute("UPDATE conversations SET head_id = ? WHERE id = ?", (parent, cid))
 
     def messages(self, conversation_id: int) -> list[StoredMessage]:
+        """The branch on screen: from the first message down to the head."""
         rows = self.db.execute(
-            "SELECT * FROM messages WHERE conversation_id = ? ORDER BY id", (conversation_id,)
+            """WITH RECURSIVE path(id, depth) AS (
+                   SELECT head_id, 0 FROM conversations WHERE id = ? AND head_id IS NOT NULL
+                   UNION ALL
+                   SELECT m.parent_id, path.depth + 1 FROM messages m JOIN path ON m.id = path.id
+                   WHERE m.parent_id IS NOT NULL
+               )
+               SELECT m.*,
+                   (SELECT COUNT(*) FROM messages s WHERE s.conversation_id = m.conversation_id
+                        AND s.parent_id IS m.parent_id AND s.id < m.id) AS sibling_index,
+                   (SELECT COUNT(*) FROM messages s WHERE s.conversation_id = m.conversation_id
+                        AND s.parent_id IS m.parent_id) AS num_siblings
+               FROM path JOIN messages m ON m.id = path.id ORDER BY path.depth DESC""",
+            (conversation_id,),
         ).fetchall()
         return [_message(r) for r in rows]
 
-    def delete_messages_from(self, conversation_id: int, message_id: int) -> None:
-        """Deletes ``message_id`` and everything after it (regenerate, edit)."""
-        self.db.execute("DELETE FROM messages WHERE conversation_id = ? AND id >= ?", (conversation_id, message_id))
+    def siblings(self, message_id: int) -> list[int]:
+        """Ids of the message and its alternatives (same parent), oldest first."""
+        row = self.db.execute("SELECT conversation_id, parent_id FROM messages WHERE id = ?", (message_id,)).fetchone()
+        return self._sibling_ids(row["conversation_id"], row["parent_id"]) if row else []
+
+    def _sibling_ids(self, conversation_id: int, parent_id: int | None) -> list[int]:
+        rows = self.db.execute(
+            "SELECT id FROM messages WHERE conversation_id = ? AND parent_id IS ? ORDER BY id",
+            (conversation_id, parent_id),
+        ).fetchall()
+        return [int(r[0]) for r in rows]
+
+    def switch_branch(self, conversation_id: int, message_id: int) -> list[StoredMessage]:
+        """Shows the branch through ``message_id``: the head becomes its newest descendant
+        (newest child at each step). Returns the new branch."""
+        with self._tx() as db:
+            head = _newest_leaf(db, message_id)
+            db.execute("UPDATE conversations SET head_id = ?, updated = ? WHERE id = ?",
+                       (head, time.time(), conversation_id))
+        return self.messages(conversation_id)
+
+    def clear_conversation(self, conversation_id: int) -> None:
+        """Deletes every message, every branch; the conversation and its settings stay."""
+        with self._tx() as db:
+            db.execute("DELETE FROM messages WHERE conversation_id = ?", (conversation_id,))
+            db.execute("UPDATE conversations SET head_id = NULL, dropped_until = NULL, updated = ? WHERE id = ?",
+                       (time.time(), conversation_id))
+
+    def mark_interrupted(self, conversation_id: int) -> int:
+        """Replies left streaming (finish_reason NULL) by a process that died become
+        "interrupted". Call only for a chat no reply of this process is writing to."""
+        cur = self.db.execute(
+            "UPDATE messages SET finish_reason = 'interrupted'"
+            " WHERE conversation_id = ? AND role = 'assistant' AND finish_reason IS NULL",
+            (conversation_id,),
+        )
+        return cur.rowcount
+
+    def recent_prompts(self, limit: int = 200) -> list[str]:
+        """What the user sent lately, in every chat, oldest first, without repeats in a row."""
+        rows = self.db.execute(
+            "SELECT content FROM messages WHERE role = 'user' ORDER BY id DESC LIMIT ?", (limit,)
+        ).fetchall()
+        out: list[str] = []
+        for (content,) in reversed(rows):
+            if not out or out[-1] != content:
+                out.append(content)
+        return out
+
+    # ---- state of the app between sessions ----
+
+    def get_state(self, key: str) -> str | None:
+        row = self.db.execute("SELECT value FROM app_state WHERE key = ?", (key,)).fetchone()
+        return str(row[0]) if row else None
+
+    def set_state(self, key: str, value: str) -> None:
+        self.db.execute("INSERT INTO app_state (key, value) VALUES (?, ?)"
+                        " ON CONFLICT(key) DO UPDATE SET value = excluded.value", (key, value))
 
     # ---- search and export ----
 
@@ -284,7 +430,8 @@ class History:
             lines += ["**System:**", "", conv.system_prompt, ""]
         for m in self.messages(conversation_id):
             who = "User" if m.role == "user" else "Assistant"
-            suffix = " *(stopped)*" if m.finish_reason == "abort" else ""
+            suffix = {"abort": " *(stopped)*", "interrupted": " *(interrupted)*", None: " *(interrupted)*"}.get(
+                m.finish_reason, "") if m.role == "assistant" else ""
             lines += [f"## {who}{suffix}", "", m.content, ""]
         return "\n".join(lines).rstrip() + "\n"
 
@@ -298,6 +445,14 @@ class History:
         path = folder / f"{stem}-{conversation_id}.md"
         path.write_text(self.export_markdown(conversation_id), encoding="utf-8")
         return path
+
+
+def _newest_leaf(db: sqlite3.Connection, message_id: int) -> int:
+    """Follows the newest child down from ``message_id`` to a leaf."""
+    head = message_id
+    while (child := db.execute("SELECT MAX(id) FROM messages WHERE parent_id = ?", (head,)).fetchone()[0]) is not None:
+        head = int(child)
+    return head
 
 
 def fts_query(text: str) -> str:
@@ -320,6 +475,7 @@ def _conversation(row: sqlite3.Row) -> Conversation:
         id=row["id"], title=row["title"], system_prompt=row["system_prompt"], params=params,
         model=row["model"], created=row["created"], updated=row["updated"], tab_position=row["tab_position"],
         num_messages=row["n"] if "n" in row.keys() else 0,  # noqa: SIM118 - sqlite3.Row has no __contains__ for keys
+        head_id=row["head_id"], dropped_until=row["dropped_until"],
     )
 
 
@@ -328,5 +484,8 @@ def _message(row: sqlite3.Row) -> StoredMessage:
         meta = json.loads(row["meta"] or "{}")
     except json.JSONDecodeError:
         meta = {}
+    keys = row.keys()
     return StoredMessage(row["id"], row["conversation_id"], row["role"], row["content"], row["created"],
-                         row["finish_reason"], meta)
+                         row["finish_reason"], meta, row["parent_id"],
+                         row["sibling_index"] if "sibling_index" in keys else 0,
+                         row["num_siblings"] if "num_siblings" in keys else 1)

@@ -9,6 +9,7 @@ same ids.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -133,6 +134,23 @@ def _gguf_spm(tokens: list[str], scores: list[float], types: list[int], add_spac
     backend.decoder = decoders.Sequence(steps)
     return backend
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate(text: str) -> int | None:
+    """Where ``text`` holds a lone UTF-16 surrogate (JSON's ``"\\ud800"``, or undecodable bytes
+    under Python's surrogateescape), or None. Such a string has no UTF-8 form: the tokenizer
+    cannot encode it, and no reply can contain it."""
+    m = _SURROGATE.search(text)
+    return None if m is None else m.start()
+
+
+def check_text(text: str, what: str) -> None:
+    """Refuses text the tokenizer cannot encode, with a message naming ``what``."""
+    if (at := lone_surrogate(text)) is not None:
+        raise LocalLLMError(f"{what} holds a lone surrogate (U+{ord(text[at]):04X}) at character {at}, which is "
+                            "not valid Unicode text; send UTF-8 text")
+
 
 def _raise_exception(message: str) -> None:
     raise TemplateError(message)
@@ -161,6 +179,7 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        check_text(text, "the prompt")
         ids = self.backend.encode(text, add_special_tokens=False).ids
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             if not ids or ids[0] != self.bos_token_id:
@@ -202,9 +221,28 @@ class Tokenizer:
         for m in messages:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise LocalLLMError(f"chat message {m!r} needs 'role' and 'content'")
+            for key, value in m.items():
+                if isinstance(value, str):
+                    check_text(value, f"a chat message's {key}")
+        rendered = self._render(list(messages), add_generation_prompt, tools)
+        last = next((m["content"].strip() for m in reversed(messages)
+                     if m["role"] == "user" and isinstance(m["content"], str) and m["content"].strip()), None)
+        if last is None or last in rendered:
+            return rendered
+        # Multimodal templates loop over content parts, and a string has none: they render
+        # without the text. The same conversation as text parts is what they expect.
+        parts = [{**m, "content": [{"type": "text", "text": m["content"]}]} if isinstance(m["content"], str) else m
+                 for m in messages]
+        rendered = self._render(parts, add_generation_prompt, tools)
+        if last not in rendered:
+            raise LocalLLMError("the model's chat template leaves the user's message out of the prompt; "
+                                "send a raw prompt instead (--raw, or /v1/completions)")
+        return rendered
+
+    def _render(self, messages: list[Any], add_generation_prompt: bool, tools: list[dict[str, Any]] | None) -> str:
         try:
             return self._template.render(
-                messages=list(messages),
+                messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 tools=tools,
                 bos_token=self.bos_token or "",

@@ -21,13 +21,51 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
+def _yarn_blend(i: int, dim: int, theta: float, scaling: dict) -> float:
+    """YaRN's share of the original frequency for pair i (1: kept, 0: divided by factor), one
+    pair at a time: the pairs between the one that turns beta_fast times over the pretraining
+    length and the one that turns beta_slow times ramp linearly (transformers' rounding)."""
+    orig = scaling["original_max_position_embeddings"]
+
+    def pair_turning(turns: float) -> float:  # solves orig / wavelength(pair) == turns for the pair
+        return dim * math.log(orig / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    first, last = pair_turning(scaling.get("beta_fast") or 32), pair_turning(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        first, last = math.floor(first), math.ceil(last)
+    first, last = max(first, 0), min(last, dim - 1)
+    if first == last:
+        last += 0.001
+    ramp = min(max((i // 2 - first) / (last - first), 0.0), 1.0)
+    return 1.0 - ramp
+
+
+def _attention_factor(cfg: ModelConfig) -> float:
+    scaling = cfg.rope_scaling or {}
+    if scaling.get("rope_type") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return scaling["attention_factor"]
+    factor = scaling["factor"]
+    if factor <= 1:
+        return 1.0
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return (0.1 * scaling["mscale"] * math.log(factor) + 1) / (0.1 * scaling["mscale_all_dim"] * math.log(factor) + 1)
+    return 0.1 * math.log(factor) + 1
+
+
 def _inv_freq(cfg: ModelConfig) -> list[float]:
-    """Per-frequency, as the Llama 3.1 paper's scaling rule reads (no tensor tricks)."""
+    """Per-frequency, as the Llama 3.1 paper's and YaRN's scaling rules read (no tensor tricks)."""
     out = []
     scaling = cfg.rope_scaling or {}
     for i in range(0, cfg.head_dim, 2):
         f = 1.0 / cfg.rope_theta ** (i / cfg.head_dim)
-        if scaling.get("rope_type") == "llama3":
+        if scaling.get("rope_type") == "linear":
+            f = f / scaling["factor"]
+        elif scaling.get("rope_type") == "yarn":
+            keep = _yarn_blend(i, cfg.head_dim, cfg.rope_theta, scaling)
+            f = keep * f + (1 - keep) * f / scaling["factor"]
+        elif scaling.get("rope_type") == "llama3":
             old, factor = scaling["original_max_position_embeddings"], scaling["factor"]
             low_wavelen = old / scaling["low_freq_factor"]
             high_wavelen = old / scaling["high_freq_factor"]
@@ -48,8 +86,9 @@ def reference_logits(cfg: ModelConfig, sd: dict[str, torch.Tensor], token_ids: l
     H, KV, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     freqs = _inv_freq(cfg)
     angles = torch.arange(T, dtype=torch.float64)[:, None] * torch.tensor(freqs, dtype=torch.float64)[None, :]
-    cos = torch.cat([angles.cos()] * 2, dim=-1).float()[:, None, :]
-    sin = torch.cat([angles.sin()] * 2, dim=-1).float()[:, None, :]
+    scale = _attention_factor(cfg)
+    cos = (torch.cat([angles.cos()] * 2, dim=-1) * scale).float()[:, None, :]
+    sin = (torch.cat([angles.sin()] * 2, dim=-1) * scale).float()[:, None, :]
     x = sd["model.embed_tokens.weight"][torch.tensor(token_ids)]
     mask = torch.full((T, T), float("-inf")).triu(1)
     for i in range(cfg.num_layers):

@@ -123,6 +123,21 @@ def test_unknown_quant_method_lists_every_method() -> None:
     shown = " ".join(cli("quantize", "--help").stdout.split())
     assert f"one of {', '.join(METHODS)}" in shown
 
+def test_top_k_over_the_vocabulary(tiny_model: Path) -> None:
+    """Issue 14: was a 29-line IndexError traceback from the sampler."""
+    proc = cli("run", "--model", str(tiny_model), "--top-k", "100000", "--max-tokens", "2", "hi")
+    assert_one_line_error(proc, "top_k", "49152", "100000")
+
+
+def test_bad_sampling_flags_fail_before_loading() -> None:
+    for flag, value in (("--temperature", "nan"), ("--top-p", "inf"), ("--max-tokens", "0"), ("--top-k", "-5")):
+        assert_one_line_error(cli("run", "--model", "/no/such/model", flag, value, "hi"), flag[2:].replace("-", "_"))
+
+
+def test_debug_shows_the_traceback() -> None:
+    proc = cli("--debug", "run", "--model", "no-such-model", "hi")
+    assert proc.returncode != 0 and "Traceback" in proc.stderr
+
 
 def test_run_json_reports_tokens_timings_and_memory(tiny_model: Path) -> None:
     proc = cli("run", "--model", str(tiny_model), "--json", "--raw", "--temperature", "0", "--max-tokens", "8",
@@ -139,9 +154,9 @@ def test_run_takes_the_models_sampling_defaults_under_the_flags_given() -> None:
     proc = cli("run", "--json", "--max-tokens", "2", "--top-k", "5", "Hi")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
-    assert report["sampling_defaults"] == {"temperature": 0.1, "top_p": 0.8}  # models.toml
+    assert report["sampling_defaults"] == {"temperature": 0.2, "top_p": 0.5}  # models.toml
     sampling = report["sampling"]
-    assert (sampling["temperature"], sampling["top_p"], sampling["top_k"]) == (0.1, 0.8, 5)
+    assert (sampling["temperature"], sampling["top_p"], sampling["top_k"]) == (0.2, 0.5, 5)
     proc = cli("run", "--json", "--max-tokens", "2", "--temperature", "0.5", "--top-p", "1", "Hi")
     sampling = json.loads(proc.stdout)["sampling"]
     assert (sampling["temperature"], sampling["top_p"], sampling["top_k"]) == (0.5, 1.0, -1)

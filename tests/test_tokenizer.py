@@ -49,3 +49,30 @@ def test_llama3_bpe_takes_whole_vocabulary_words_before_merging(pre: str, pieces
               "tokenizer.ggml.merges": ["a b"]}
     tok = Tokenizer.from_gguf_fields(fields, "test.gguf")
     assert [tokens[i] for i in tok.encode("abc")] == pieces
+
+# llava-hf/llava-1.5-7b-hf's template, in short: it renders only content *parts* of type text.
+PARTS_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'].upper() + ': ' }}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' ' }}"
+    "{% endfor %}{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+
+
+def test_a_template_that_wants_content_parts_still_gets_the_text(default_checkpoint) -> None:
+    from dataclasses import replace
+
+    tok = replace(default_checkpoint.tokenizer, chat_template=PARTS_TEMPLATE)
+    text = tok.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                    {"role": "user", "content": "What is the capital of France?"}])
+    assert text == "SYSTEM: Be brief. USER: What is the capital of France? ASSISTANT:"
+    drops = replace(default_checkpoint.tokenizer, chat_template="{% for m in messages %}{{ m['role'] }}{% endfor %}")
+    with pytest.raises(LocalLLMError, match="leaves the user's message out"):
+        drops.apply_chat_template([{"role": "user", "content": "hello"}])
+
+
+def test_lone_surrogates_are_refused_by_name(default_checkpoint) -> None:
+    tok = default_checkpoint.tokenizer
+    with pytest.raises(LocalLLMError, match=r"the prompt holds a lone surrogate \(U\+D800\) at character 1"):
+        tok.encode("a\ud800b")
+    with pytest.raises(LocalLLMError, match="chat message's content"):
+        tok.encode_chat([{"role": "user", "content": "\udcff"}])  # what surrogateescape makes of byte 0xff

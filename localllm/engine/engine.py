@@ -14,12 +14,13 @@ from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 
 from localllm.engine.block_manager import BlockManager
 from localllm.engine.guided import GrammarCompiler
 from localllm.engine.model_runner import ModelRunner
 from localllm.engine.scheduler import Scheduler
-from localllm.engine.sequence import RequestMetrics, SamplingParams, Sequence, SequenceStatus
+from localllm.engine.sequence import RequestMetrics, SamplingParams, Sequence, SequenceStatus, choice_seed
 from localllm.errors import LocalLLMError
 from localllm.tokenizer import IncrementalDetokenizer, Message
 
@@ -44,6 +45,8 @@ class EngineConfig:
     use_cuda_graphs: bool = True
     compile: bool = True  # CPU decode through torch.compile; False (or LOCALLLM_NO_COMPILE=1) keeps eager
     decode_buckets: list[int] | None = None  # rehearse the CUDA-graph bookkeeping eagerly (tests)
+    kv_cache_dtype: str = "auto"  # auto | fp8 | fp8_e4m3 (vLLM's names); auto = the plan's
+    calculate_kv_scales: bool = False  # FP8 cache: scales from a calibration prompt, not 1.0
 
 
 @dataclass(slots=True)
@@ -104,8 +107,8 @@ class LLMEngine:
             config.model, dtype=config.dtype, device=config.device, quant=config.quant,
             max_model_len=config.max_model_len, context=config.context, chats=config.chats,
             num_kv_blocks=config.num_kv_blocks, block_size=config.block_size,
-            gpu_memory_utilization=config.gpu_memory_utilization, progress=progress,
-            compile=self._compiles(config),
+            gpu_memory_utilization=config.gpu_memory_utilization, kv_cache_dtype=config.kv_cache_dtype,
+            progress=progress, compile=self._compiles(config),
         )
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
@@ -116,13 +119,24 @@ class LLMEngine:
         # What the model asks for when a caller leaves a sampling field unset: only the keys the
         # model sets, by SamplingParams name (run, LLM.generate, the server and the TUI read it).
         self.sampling_defaults: dict[str, float | int] = sampling_defaults(loaded.path, loaded.name)
+        self.kv_cache_dtype = loaded.kv_dtype
+        # (k_scale, v_scale) per layer of an FP8 cache; None = 1.0 each, or not FP8.
+        self.kv_scales: list[tuple[float, float]] | None = None
+        if config.calculate_kv_scales and loaded.kv_dtype == torch.float8_e4m3fn:
+            from localllm.quant.kv_cache import calibrate_kv_scales, calibration_prompt
+
+            if progress is not None:
+                progress("calibrating KV scales", 0, 1)
+            self.kv_scales = calibrate_kv_scales(loaded.model, calibration_prompt(loaded.tokenizer))
+            if progress is not None:
+                progress("calibrating KV scales", 1, 1)
         self.block_manager = BlockManager(loaded.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(
             loaded.model, loaded.num_kv_blocks, config.block_size, loaded.kv_dtype, loaded.max_model_len,
             use_cuda_graphs=config.use_cuda_graphs and loaded.use_cuda_graphs,
             max_graph_batch=config.max_num_seqs or self.plan.max_num_seqs,
             compile_cpu=self._compiles(config),
-            decode_buckets=config.decode_buckets, progress=progress,
+            decode_buckets=config.decode_buckets, progress=progress, kv_scales=self.kv_scales,
         )
         self.scheduler = Scheduler(
             self.block_manager,
@@ -154,7 +168,8 @@ class LLMEngine:
             text = self.tokenizer.apply_chat_template(prompt)  # type: ignore[arg-type]
             return text, self.tokenizer.encode_rendered(text)
         ids = list(prompt)  # type: ignore[arg-type]
-        if not all(isinstance(t, int) and 0 <= t < self.runner.model.config.vocab_size for t in ids):
+        vocab = self.runner.model.config.vocab_size
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
             raise LocalLLMError("prompt token ids must be ints inside the vocabulary")
         return None, ids
 
@@ -162,6 +177,7 @@ class LLMEngine:
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
     ) -> str:
         params = params or SamplingParams()
+        params.validate(self.runner.model.config.vocab_size)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise LocalLLMError(f"request id {request_id!r} is already running")
@@ -330,13 +346,22 @@ class LLMEngine:
         that share the prompt (and so its KV, through the prefix cache)."""
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise LocalLLMError(f"{len(prompts)} prompts but {len(params)} sampling params; pass one, or one per prompt")
         ids: list[list[str]] = []
-        for prompt, p in zip(prompts, params):
-            group = []
-            for i in range(p.n):
-                sub = p if p.n == 1 else _replace(p, n=1, seed=None if p.seed is None else p.seed + i)
-                group.append(self.add_request(prompt, sub))
-            ids.append(group)
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append([])
+                p.validate()  # n before range(n); add_request checks each choice against the model
+                for i in range(p.n):
+                    sub = p if p.n == 1 else _replace(p, n=1, seed=choice_seed(p.seed, i))
+                    ids[-1].append(self.add_request(prompt, sub))
+        except BaseException:
+            # one bad prompt or parameter refuses the whole call: the ones added before it must
+            # not stay queued and run with some later call
+            for rid in (r for group in ids for r in group):
+                self.abort_request(rid)
+            raise
         final: dict[str, RequestOutput] = {}
         while self.has_unfinished():
             for out in self.step():

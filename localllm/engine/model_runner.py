@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,7 @@ from localllm.engine.sampler import SamplerOutput, sample
 from localllm.engine.scheduler import ScheduledBatch
 from localllm.engine.sequence import Sequence
 from localllm.models.llama import AttentionMetadata, LlamaForCausalLM
+from localllm.quant.kv_cache import kv_scale_tensor
 
 GRAPH_BATCH_SIZES = [1, 2, 4, 8] + list(range(16, 257, 16))
 
@@ -36,7 +38,9 @@ class StepInputs:
 
 
 class ModelRunner:
-    """Owns the model and the KV pool: per layer, a K and a V ``[num_blocks, block_size, kv_heads, head_dim]``.
+    """Owns the model and the KV pool: per layer, a K and a V ``[num_blocks, block_size, kv_heads, head_dim]``,
+    and for an FP8 pool its per-layer K and V scales ``[2, layers]`` (fp32; the pool stores
+    ``K / k_scale``), which never change after start-up.
 
     Invariant: after ``execute`` returns, the KV of every scheduled token is in the pool at the
     slot its sequence's block table gives for its position.
@@ -54,10 +58,12 @@ class ModelRunner:
         compile_cpu: bool = False,
         decode_buckets: list[int] | None = None,
         progress: Callable[[str, int, int], None] | None = None,
+        kv_scales: Seq[tuple[float, float]] | None = None,
     ) -> None:
         """``compile_cpu``: decode through torch.compile on a CPU device. ``decode_buckets``
         forces the static-buffer decode path with these batch buckets and no capture or
-        compile (the CUDA-graph bookkeeping, rehearsed eagerly; tests use it)."""
+        compile (the CUDA-graph bookkeeping, rehearsed eagerly; tests use it). ``kv_scales``:
+        (k_scale, v_scale) per layer for an FP8 pool; default 1.0 (vLLM's)."""
         cfg = model.config
         self.model = model
         self.device = model.device
@@ -69,10 +75,13 @@ class ModelRunner:
         # layer (measured: the 1 GB pool copied 30 times a step).
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for layer in model.model.layers:
+        self.kv_scales = kv_scale_tensor(kv_scales, cfg.num_layers, self.device)
+        for i, layer in enumerate(model.model.layers):
             # zeros touch every page now: the pool is reserved up front, and measured
             k, v = (torch.zeros(shape, dtype=kv_dtype, device=self.device) for _ in range(2))
             layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
+            layer.self_attn.k_scale = self.kv_scales[0, i]
+            layer.self_attn.v_scale = self.kv_scales[1, i]
             self.kv_caches.append((k, v))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # The static-buffer decode path: batch buckets and the callable that runs one bucket.

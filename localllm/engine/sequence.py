@@ -4,6 +4,8 @@ its timings. Everything the scheduler, block manager and runner read lives here.
 from __future__ import annotations
 
 import json
+import math
+import numbers
 import time
 from dataclasses import dataclass, field
 from enum import Enum
@@ -11,8 +13,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from localllm.errors import LocalLLMError
-from localllm.tokenizer import IncrementalDetokenizer
+from localllm.errors import InvalidParameterError
+from localllm.tokenizer import IncrementalDetokenizer, lone_surrogate
+
+
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+MAX_LOGPROBS = 20
+# vLLM's rule: below this, temperature means greedy (logits / 1e-7 overflow the softmax).
+GREEDY_EPS = 1e-5
 
 if TYPE_CHECKING:
     from localllm.engine.guided import GrammarMatcher
@@ -22,7 +30,14 @@ GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar
 
 @dataclass(slots=True)
 class SamplingParams:
-    """vLLM's names and meanings. ``temperature == 0`` is greedy."""
+    """vLLM's names and meanings. ``temperature`` below ``GREEDY_EPS`` (0 included) is greedy;
+    ``top_k`` -1 or 0 is no limit.
+
+    Invariant once admitted: every field has its type and range, and every token id or count
+    (``top_k``, ``stop_token_ids``, ``logprobs``) fits the model's vocabulary, so nothing a user
+    sends reaches a tensor index unchecked. Construction checks what needs no model;
+    ``LLMEngine.add_request`` calls ``validate`` again with the vocabulary size, which also
+    catches fields changed after construction."""
 
     n: int = 1
     temperature: float = 1.0
@@ -48,24 +63,53 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = [s for s in (self.stop or []) if s]
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        checks = [
-            (self.n >= 1, "n must be at least 1"),
-            (self.temperature >= 0, "temperature must be >= 0"),
-            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-            (self.top_k == -1 or self.top_k >= 0, "top_k must be -1 (off) or >= 0"),
-            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
-            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
-            (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
-            (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
-            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be at least 1"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise LocalLLMError(f"bad sampling parameter: {message}")
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, (list, tuple)):  # any other type is refused by validate
+            self.stop = [s for s in self.stop if s != ""]
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, tuple):
+            self.stop_token_ids = list(self.stop_token_ids)
+        self.validate()
         self._check_guided()
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raises ``InvalidParameterError`` naming the first bad field; with ``vocab_size``,
+        also checks what depends on the model."""
+        _integer("n", self.n, "an integer >= 1", lo=1)
+        _real("temperature", self.temperature, "a finite number >= 0 (0 is greedy)", lo=0.0)
+        _real("top_p", self.top_p, "a number in (0, 1]", lo=0.0, lo_open=True, hi=1.0)
+        if vocab_size is None:
+            _integer("top_k", self.top_k, "-1 or 0 (no limit) or a positive integer", lo=-1)
+        else:
+            _integer("top_k", self.top_k, f"-1 or 0 (no limit) or at most {vocab_size} (the vocabulary size)",
+                     lo=-1, hi=vocab_size)
+        _real("min_p", self.min_p, "a number in [0, 1]", lo=0.0, hi=1.0)
+        _real("repetition_penalty", self.repetition_penalty, "a finite number > 0 (1 is off)", lo=0.0, lo_open=True)
+        _real("presence_penalty", self.presence_penalty, "a number in [-2, 2]", lo=-2.0, hi=2.0)
+        _real("frequency_penalty", self.frequency_penalty, "a number in [-2, 2]", lo=-2.0, hi=2.0)
+        if self.seed is not None:
+            _integer("seed", self.seed, f"an integer in [{SEED_MIN}, {SEED_MAX}]", lo=SEED_MIN, hi=SEED_MAX)
+        if self.max_tokens is not None:
+            _integer("max_tokens", self.max_tokens, "an integer >= 1", lo=1)
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
+            raise InvalidParameterError("stop", f"must be a string or a list of strings, got {_show(self.stop)}")
+        for s in self.stop:
+            if (at := lone_surrogate(s)) is not None:
+                raise InvalidParameterError(
+                    "stop", f"{_show(s)} holds a lone surrogate at character {at}, which is not valid Unicode text")
+        if not isinstance(self.stop_token_ids, list):
+            raise InvalidParameterError("stop_token_ids", f"must be a list of token ids, got {_show(self.stop_token_ids)}")
+        hi = None if vocab_size is None else vocab_size - 1
+        for t in self.stop_token_ids:
+            _integer("stop_token_ids", t, "token ids >= 0" if hi is None else f"token ids in [0, {hi}]", lo=0, hi=hi)
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidParameterError(name, f"must be true or false, got {_show(getattr(self, name))}")
+        if self.logprobs is not None:
+            top = MAX_LOGPROBS if vocab_size is None else min(MAX_LOGPROBS, vocab_size)
+            _integer("logprobs", self.logprobs, f"an integer in [0, {top}]", lo=0, hi=top)
 
     def _check_guided(self) -> None:
         named = [f for f in GUIDED_FIELDS if getattr(self, f) is not None]
@@ -90,11 +134,50 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_EPS or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice ``index`` of an n > 1 request: seed + index, wrapped into the seed
+    range so that a valid seed never makes an invalid one."""
+    if seed is None or index == 0:
+        return seed
+    return SEED_MIN + (seed + index - SEED_MIN) % (SEED_MAX - SEED_MIN + 1)
+
+
+def _show(value: Any) -> str:
+    """A value for an error message: one short line, whatever it is."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int too long to print (Python's 4300-digit limit)
+        return "a very large integer"
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _integer(param: str, value: Any, expected: str, lo: int | None = None, hi: int | None = None) -> None:
+    ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if not ok or (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise InvalidParameterError(param, f"must be {expected}, got {_show(value)}")
+
+
+def _real(
+    param: str, value: Any, expected: str, lo: float | None = None, hi: float | None = None, lo_open: bool = False,
+) -> None:
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if ok:
+        try:
+            x = float(value)
+        except OverflowError:  # an int beyond float range
+            ok = False
+        else:
+            ok = (math.isfinite(x) and (lo is None or (x > lo if lo_open else x >= lo))
+                  and (hi is None or x <= hi))
+    if not ok:
+        raise InvalidParameterError(param, f"must be {expected}, got {_show(value)}")
 
 
 class SequenceStatus(Enum):

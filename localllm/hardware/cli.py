@@ -12,6 +12,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from localllm.errors import LocalLLMError
+from localllm.hardware.sizing import KV_CACHE_DTYPES
 
 if TYPE_CHECKING:
     from localllm.catalog import CatalogEntry
@@ -34,6 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--context", type=int, default=None,
                    help=f"tokens per chat to plan for (default: {TABLE_CONTEXT:,}, or less if the model allows less)")
     p.add_argument("--chats", type=int, default=1, help="chats running at once (default 1)")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="KV cache storage to plan for: auto (16-bit; fp8 on sm89+ GPUs only where 16-bit does not"
+                        " fit) or fp8 (e4m3)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="share of VRAM the engine may use (default 0.9)")
     p.add_argument("--measure", action="store_true",
@@ -101,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
             "context": args.context,
             "chats": args.chats,
             "gpu_memory_utilization": args.gpu_memory_utilization,
+            "kv_cache_dtype": args.kv_cache_dtype,
             "table_context": TABLE_CONTEXT,
         },
         "models": rows,
@@ -129,7 +134,9 @@ def _row(
         "status": "error",  # "fits", "does_not_fit" or "error" (bad request for this model)
         "fits": False,
         "precision": None,
+        "kv_dtype": None,
         "reason": "",
+        "kv_reason": "",
         "weight_bytes": None,
         "kv_bytes_per_token": None,
         "max_context": 0,
@@ -142,7 +149,7 @@ def _row(
     }
     try:
         p = plan(entry, hw, context=args.context, chats=args.chats,
-                 gpu_memory_utilization=args.gpu_memory_utilization)
+                 gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_dtype=args.kv_cache_dtype)
     except DoesNotFit as e:
         # Report the smallest precision's footprint: that is what did not fit.
         gpu = hw.gpu
@@ -151,7 +158,7 @@ def _row(
             status="does_not_fit",
             reason=str(e),
             weight_bytes=weight_bytes(entry, compute, "awq"),
-            kv_bytes_per_token=kv_bytes_per_token(entry, "float32" if gpu is None else compute),
+            kv_bytes_per_token=e.kv_bytes_per_token or kv_bytes_per_token(entry, "float32" if gpu is None else compute),
             nearest=e.nearest.to_dict() if e.nearest is not None else None,
             suggestions=list(e.suggestions),
         )
@@ -166,7 +173,9 @@ def _row(
         status="fits",
         fits=True,
         precision=p.precision,
+        kv_dtype=p.kv_dtype,
         reason=p.precision_reason,
+        kv_reason=p.reasons[3],
         weight_bytes=p.weight_bytes,
         kv_bytes_per_token=p.kv_bytes_per_token,
         max_context=min(entry.max_context, p.kv_capacity_tokens),
@@ -180,7 +189,7 @@ def _row(
 def _render(doc: dict[str, Any], hw: Hardware, args: argparse.Namespace) -> None:
     from rich.table import Table
 
-    from localllm.cli import stdout_console
+    from localllm.console import stdout_console
     from localllm.hardware.planner import CPU_RAM_FRACTION, fmt_bytes
 
     console = stdout_console(width=None if sys.stdout.isatty() else 200, soft_wrap=False, highlight=False)
@@ -229,16 +238,18 @@ def _render(doc: dict[str, Any], hw: Hardware, args: argparse.Namespace) -> None
             name += " *"
             unsupported = True
         speed = r["decode_tok_s_bound"]
+        precision = r["precision"] and (r["precision"] + (" + fp8 KV" if r["kv_dtype"] == "fp8" else ""))
         table.add_row(
             name,
             f"{r['params'] / 1e9:.2f}B",
-            r["precision"] or ("[red]does not fit[/red]" if r["status"] == "does_not_fit" else "[yellow]n/a[/yellow]"),
+            precision or ("[red]does not fit[/red]" if r["status"] == "does_not_fit" else "[yellow]n/a[/yellow]"),
             fmt_bytes(r["weight_bytes"]) if r["weight_bytes"] is not None else "-",
             fmt_bytes(r["kv_bytes_per_token"]) if r["kv_bytes_per_token"] is not None else "-",
             f"{r['max_context']:,}" if r["fits"] else "-",
             f"{r['max_chats_at_8k']:,}" if r["fits"] else "-",
             f"{speed:,.0f}" if speed else "-",
-            r["reason"],
+            # An FP8 cache is chosen only when nothing fits without it: its line says why.
+            r["reason"] + (f"; {r['kv_reason']}" if r["kv_dtype"] == "fp8" else ""),
         )
     console.print(table)
     if unsupported:

@@ -9,6 +9,10 @@ names the nearest plan that would (a shorter context, fewer chats, a smaller mod
 The ladder, per the issue: bf16 while it leaves room for the wanted KV; FP8 next on GPUs
 with FP8 tensor cores (sm89+), INT8 weight-only on older ones; AWQ 4-bit last. Hopper and
 datacenter Blackwell take the full path: FP8 first, CUDA graphs, the largest batch.
+
+The KV cache is 16-bit (fp32 on CPU) while any rung leaves room for the wanted tokens; when
+none does, GPUs with FP8 support walk the ladder again with an FP8 (e4m3) cache, which halves
+the bytes per token (``_kv_passes``). ``kv_cache_dtype="fp8"`` asks for it outright.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from localllm.hardware.sizing import (
     decode_read_bytes,
     kv_bytes_per_token,
     param_counts,
+    kv_cache_dtype_name,
     weight_bytes,
     workspace_bytes,
 )
@@ -46,7 +51,7 @@ CPU_COMPILE_BYTES = 200 * MiB
 MIN_SUGGESTED_CONTEXT = 512
 MEMORY_TOLERANCE = 0.10  # predicted vs measured, as the issue requires
 
-_LABELS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+_LABELS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "fp8": "fp8"}
 
 
 def fmt_bytes(n: float) -> str:
@@ -72,7 +77,7 @@ class Plan:
     device: str  # "cuda" or "cpu"
     weight_dtype: str  # "bfloat16", "float16" or "float32": storage of unquantized weights, and compute
     quant: str | None  # None, "fp8", "int8" or "awq"
-    kv_dtype: str
+    kv_dtype: str  # "float32", "bfloat16", "float16" or "fp8" (e4m3 with per-tensor scales)
     block_size: int
     num_kv_blocks: int
     max_model_len: int
@@ -165,11 +170,13 @@ class Plan:
 class DoesNotFit(LocalLLMError):
     """Nothing on the ladder fits. ``nearest`` is a plan that would, when one exists."""
 
-    def __init__(self, message: str, *, nearest: Plan | None, suggestions: list[str], needed_bytes: int) -> None:
+    def __init__(self, message: str, *, nearest: Plan | None, suggestions: list[str], needed_bytes: int,
+                 kv_bytes_per_token: int | None = None) -> None:
         super().__init__(message)
         self.nearest = nearest
         self.suggestions = suggestions
         self.needed_bytes = needed_bytes
+        self.kv_bytes_per_token = kv_bytes_per_token  # of the smallest plan tried
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,6 +209,7 @@ class _Fit:
     workspace: int
     runtime: int
     context: int
+    kv_dtype: str
     kvpt: int
     capacity: int  # KV tokens the budget leaves room for, whole blocks only
 
@@ -335,9 +343,47 @@ def _ladder(t: _Target, hw: Hardware, quant: str | None, dtype: str | None) -> l
     return rungs
 
 
+def _kv_passes(t: _Target, kv_cache_dtype: str) -> list[bool]:
+    """Whether each walk down the ladder stores the KV cache in FP8.
+
+    "auto" walks it with the 16-bit cache first (fp32 on CPU, where attention runs in fp32);
+    only when no weight precision leaves room for the wanted tokens, a GPU with FP8 support
+    (compute capability 8.9+) walks it again with FP8. On the CPU FP8 saves memory but no
+    time (it is dequantized on read), so it is taken only when asked.
+    """
+    if kv_cache_dtype == "fp8":
+        gpu = t.gpu
+        if gpu is not None and not gpu.has_fp8_tensor_cores:
+            raise LocalLLMError(
+                f"an fp8 KV cache needs compute capability 8.9+ (RTX 40xx, L4, H100); {gpu.name} is {gpu.cc_str}:"
+                " use --kv-cache-dtype auto")
+        return [True]
+    if t.gpu is not None and t.gpu.has_fp8_tensor_cores:
+        return [False, True]
+    return [False]
+
+
+def _kv_reason(t: _Target, fit: _Fit, need: int, sixteen: _Fit | None, asked: bool) -> str:
+    """The KV dtype line of the plan's reasons. ``sixteen`` is the smallest rung that was tried
+    with a 16-bit cache, when the planner went on to FP8."""
+    if fit.kv_dtype != "fp8":
+        return ("KV cache fp32: the CPU attention runs in fp32" if t.device == "cpu"
+                else f"KV cache {_LABELS[fit.kv_dtype]}, the activation dtype")
+    if t.device == "cpu":
+        return ("KV cache fp8 (e4m3) as asked: one byte per value, dequantized to fp32 on read, so it saves memory,"
+                " not time")
+    assert t.gpu is not None
+    sm = f"sm{t.gpu.cc_str.replace('.', '')}"
+    if asked or sixteen is None:
+        return f"KV cache fp8 (e4m3) as asked: half the bytes per token of a 16-bit cache ({sm} supports FP8)"
+    label = precision_label(sixteen.rung.weight_dtype, sixteen.rung.quant)
+    return (f"KV cache fp8 (e4m3): a 16-bit cache leaves room for {sixteen.capacity:,} of {need:,} KV tokens even with"
+            f" {label} weights; FP8 halves the bytes per token, and {sm} supports FP8")
+
+
 def _fit(model: ModelDims, t: _Target, rung: _Rung, graphs: bool, batched_tokens: int, chats: int,
-         block_size: int) -> _Fit:
-    kv_dtype = "float32" if t.device == "cpu" else rung.weight_dtype
+         block_size: int, kv_fp8: bool = False) -> _Fit:
+    kv_dtype = "fp8" if kv_fp8 else "float32" if t.device == "cpu" else rung.weight_dtype
     act_dtype = "float32" if t.device == "cpu" else rung.weight_dtype
     weights = weight_bytes(model, rung.weight_dtype, rung.quant)
     workspace = workspace_bytes(model, act_dtype, batched_tokens, max(chats, t.seqs_cap))
@@ -352,7 +398,7 @@ def _fit(model: ModelDims, t: _Target, rung: _Rung, graphs: bool, batched_tokens
     kvpt = kv_bytes_per_token(model, kv_dtype)
     free = t.budget - (weights + workspace + runtime + context)
     capacity = max(0, free) // kvpt // block_size * block_size
-    return _Fit(rung, graphs, batched_tokens, weights, workspace, runtime, context, kvpt, capacity)
+    return _Fit(rung, graphs, batched_tokens, weights, workspace, runtime, context, kv_dtype, kvpt, capacity)
 
 
 def plan(
@@ -365,6 +411,7 @@ def plan(
     dtype: str | None = None,
     gpu_memory_utilization: float = 0.9,
     block_size: int = 16,
+    kv_cache_dtype: str = "auto",
     suggest_models: bool = True,
     cpu_gguf: str | None = None,
     cpu_compile: bool = True,
@@ -374,10 +421,15 @@ def plan(
     nothing fits (with the nearest plan that would). ``cpu_gguf``: the checkpoint is a GGUF
     file whose blocks the CPU kernels run as they are, and the measured reason they win; a
     CPU plan then starts from "gguf". ``name`` is what messages and the plan call the model
-    (default: the model's id or name attribute)."""
+    (default: the model's id or name attribute). ``kv_cache_dtype`` is "auto" (16-bit, FP8
+    where only that fits) or "fp8" ("fp8_e4m3")."""
     if dtype == "auto":
         dtype = None
     _validate(context, chats, quant, dtype, gpu_memory_utilization, block_size)
+    try:
+        kv_cache_dtype = kv_cache_dtype_name(kv_cache_dtype)
+    except ValueError as e:
+        raise LocalLLMError(str(e)) from None
     name = name or _model_name(model)
     model_max = _model_max_context(model)
     if context is not None and model_max is not None and context > model_max:
@@ -400,31 +452,38 @@ def plan(
         knobs = [(False, t.batched_tokens)]
     tried: list[_Fit] = []
     chosen: _Fit | None = None
-    for rung in ladder:
-        for graphs, tokens in knobs:
-            fit = _fit(model, t, rung, graphs, tokens, chats, block_size)
-            if fit.capacity >= need:
-                chosen = fit
-                break
-        else:
-            tried.append(fit)
-            continue
-        break
+    sixteen: _Fit | None = None  # the smallest rung tried with a 16-bit cache, before FP8
+    for kv_fp8 in _kv_passes(t, kv_cache_dtype):
+        if tried:
+            sixteen, tried = tried[-1], []
+        for rung in ladder:
+            for graphs, tokens in knobs:
+                fit = _fit(model, t, rung, graphs, tokens, chats, block_size, kv_fp8)
+                if fit.capacity >= need:
+                    chosen = fit
+                    break
+            else:
+                tried.append(fit)
+                continue
+            break
+        if chosen is not None:
+            break
 
     if chosen is None:
         raise _does_not_fit(model, hw, name, t, tried, wanted, chats, quant, dtype, gpu_memory_utilization,
-                            block_size, model_max, suggest_models)
+                            block_size, kv_cache_dtype, model_max, suggest_models)
 
     # Say why each bigger rung was passed over, so "fp8" never looks arbitrary.
+    with_kv = " with an fp8 KV cache" if sixteen is not None else ""
     skipped = "; ".join(
-        f"{precision_label(f.rung.weight_dtype, f.rung.quant)} leaves room for {f.capacity:,} of {need:,} KV tokens"
+        f"{precision_label(f.rung.weight_dtype, f.rung.quant)}{with_kv} leaves room for {f.capacity:,} of {need:,}"
+        " KV tokens"
         for f in tried
     )
     precision_reason = chosen.rung.why + (f" ({skipped})" if skipped else "")
-    kv_dtype = "float32" if t.device == "cpu" else chosen.rung.weight_dtype
-    reasons = [t.device_reason, t.budget_reason, precision_reason]
-    reasons.append("KV cache fp32: the CPU attention runs in fp32" if t.device == "cpu"
-                   else f"KV cache {_LABELS[kv_dtype]}, the activation dtype")
+    kv_dtype = chosen.kv_dtype
+    reasons = [t.device_reason, t.budget_reason, precision_reason,
+               _kv_reason(t, chosen, need, sixteen, asked=kv_cache_dtype == "fp8")]
     per_chat = f"{chats} chat{'s' if chats > 1 else ''}"
 
     if t.device == "cuda":
@@ -493,13 +552,16 @@ def plan(
 
 def _does_not_fit(
     model: ModelDims, hw: Hardware, name: str, t: _Target, tried: list[_Fit], wanted: int, chats: int,
-    quant: str | None, dtype: str | None, util: float, block_size: int, model_max: int | None, suggest_models: bool,
+    quant: str | None, dtype: str | None, util: float, block_size: int, kv_cache_dtype: str, model_max: int | None,
+    suggest_models: bool,
 ) -> DoesNotFit:
-    last = tried[-1]  # the smallest precision tried
+    last = tried[-1]  # the smallest precision tried (with an FP8 cache, if one was tried)
     label = precision_label(last.rung.weight_dtype, last.rung.quant)
+    if last.kv_dtype == "fp8":
+        label += " with an fp8 KV cache"
     needed = last.fixed + wanted * chats * last.kvpt
     kwargs: dict[str, Any] = dict(quant=quant, dtype=dtype, gpu_memory_utilization=util, block_size=block_size,
-                                  suggest_models=False)
+                                  kv_cache_dtype=kv_cache_dtype, suggest_models=False)
     suggestions: list[str] = []
     nearest: Plan | None = None
     per_chat = last.capacity // chats // 256 * 256
@@ -529,7 +591,8 @@ def _does_not_fit(
     tail = ("nearest that fits: " + "; ".join(suggestions)) if suggestions else "nothing smaller fits either"
     message = (f"{name} does not fit on {t.where} at {wanted:,} tokens x {chats} chat{'s' if chats > 1 else ''}"
                f" {as_what} (needs {fmt_bytes(needed)}, budget {fmt_bytes(t.budget)}); {tail}")
-    return DoesNotFit(message, nearest=nearest, suggestions=suggestions, needed_bytes=needed)
+    return DoesNotFit(message, nearest=nearest, suggestions=suggestions, needed_bytes=needed,
+                      kv_bytes_per_token=last.kvpt)
 
 
 def _smaller_catalog_model(

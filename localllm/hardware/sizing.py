@@ -19,6 +19,19 @@ QUANTS: tuple[str, ...] = ("fp8", "int8", "awq", "gguf")
 # the lookup reads; a file of other types is sized by that estimate.
 GGUF_LINEAR_BYTES_PER_WEIGHT = 20 / 32
 GGUF_HEAD_BYTES_PER_WEIGHT = 34 / 32
+# KV cache storage: the float dtypes, or FP8 e4m3 with per-tensor scales ("fp8").
+KV_DTYPE_BYTES: dict[str, int] = {**DTYPE_BYTES, "fp8": 1}
+# What --kv-cache-dtype accepts (vLLM's names): auto = the planner's choice.
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8", "fp8_e4m3")
+
+
+def kv_cache_dtype_name(value: str | None) -> str:
+    """A --kv-cache-dtype value as the planner names it: "auto" or "fp8" (e4m3, vLLM's
+    meaning of plain "fp8"). Raises ValueError naming the choices."""
+    name = (value or "auto").lower()
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown KV cache dtype {value!r}; use one of {', '.join(KV_CACHE_DTYPES)}")
+    return "fp8" if name.startswith("fp8") else name
 
 # Per-output-channel scale of int8/fp8 weights (fp32), and the AWQ group layout:
 # int4 weights, one fp16 scale and one packed int4 zero per group of input columns.
@@ -143,8 +156,13 @@ def decode_read_bytes(m: ModelDims, weight_dtype: str = "bfloat16", quant: str |
 
 
 def kv_bytes_per_token(m: ModelDims, kv_dtype: str = "bfloat16") -> int:
-    """2 (K and V) x layers x KV heads x head dim x bytes of the KV dtype."""
-    return 2 * m.num_layers * m.num_kv_heads * m.head_dim * _check_dtype(kv_dtype)
+    """2 (K and V) x layers x KV heads x head dim x bytes of the KV dtype (a float dtype or
+    "fp8"; the FP8 scales are two floats per layer, not per token)."""
+    try:
+        b = KV_DTYPE_BYTES[kv_dtype]
+    except KeyError:
+        raise ValueError(f"unknown KV dtype {kv_dtype!r}; use one of {', '.join(KV_DTYPE_BYTES)}") from None
+    return 2 * m.num_layers * m.num_kv_heads * m.head_dim * b
 
 
 def kv_bytes(m: ModelDims, tokens: int, kv_dtype: str = "bfloat16") -> int:

@@ -18,6 +18,7 @@ from torch import nn
 
 from localllm.errors import LocalLLMError
 from localllm.kernels import paged_attention, rms_norm, rotary_and_store_kv, silu_and_mul
+from localllm.kernels._triton import use_triton
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -25,6 +26,17 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
 )
+# A multimodal wrapper's text_config names its text model by model_type.
+TEXT_MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# transformers' per-architecture defaults for keys a config.json may leave out
+_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "MistralForCausalLM": 4096 * 32}
+_DEFAULT_MAX_POSITIONS = 32768  # Qwen2, Qwen3
 
 
 @dataclass(slots=True)
@@ -39,28 +51,61 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: dict[str, Any] | None = None
+    rope_scaling: dict[str, Any] | None = None  # always with "rope_type"; None is plain RoPE
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     qk_norm: bool = False
     quantization: dict[str, Any] | None = field(default=None)
+    # Attention sees only the last sliding_window tokens (Mistral v0.1, Qwen2 with
+    # use_sliding_window). A sequence no longer than the window sees all of it, so the context
+    # is capped there and full attention is exact.
+    sliding_window: int | None = None
+    # The multimodal architecture this text model was read out of (its text_config), if any:
+    # its weights carry a prefix, and its vision tower is left out.
+    wrapper: str | None = None
 
     def __post_init__(self) -> None:
         assert self.num_heads % self.num_kv_heads == 0, "GQA needs heads to be a multiple of kv heads"
 
+    @property
+    def max_context(self) -> int:
+        """The longest sequence this model runs exactly."""
+        return min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)
+
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        """Reads config.json as transformers 5 does, which also reads the older layout:
+        ``rope_parameters`` or ``rope_theta``/``rope_scaling``, a multimodal wrapper's
+        ``text_config``, and transformers' own defaults for keys left out. A key that would
+        change the math in a way this model does not implement is refused, never ignored."""
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else ""
+        wrapper = None
+        text = cfg.get("text_config")
+        if arch not in SUPPORTED_ARCHITECTURES and isinstance(text, dict):
+            kind = text.get("model_type")
+            if kind not in TEXT_MODEL_TYPES:
+                raise LocalLLMError(
+                    f"{source}: {arch or 'this multimodal model'} holds a {kind!r} text model, which is not supported; "
+                    f"localllm runs the text models {', '.join(TEXT_MODEL_TYPES)}")
+            wrapper, arch = arch or "a multimodal model", TEXT_MODEL_TYPES[kind]
+            # transformers reads tying from either level; quantization stays with the wrapper
+            tied = bool(cfg.get("tie_word_embeddings")) or bool(text.get("tie_word_embeddings"))
+            cfg = {**text, "tie_word_embeddings": tied, "quantization_config": cfg.get("quantization_config")}
         if arch not in SUPPORTED_ARCHITECTURES:
             raise LocalLLMError(
                 f"{source}: architecture {arch or '(none)'!r} is not supported; "
                 f"localllm runs {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        _refuse_unsupported_math(cfg, arch, source)
         try:
             heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
+            # Qwen3's head_dim is 128 unless given, not hidden // heads
+            head_dim = cfg.get("head_dim") or (128 if arch == "Qwen3ForCausalLM" else hidden // heads)
+            max_positions = int(cfg.get("max_position_embeddings") or _MAX_POSITIONS.get(arch, _DEFAULT_MAX_POSITIONS))
+            rope_theta, rope_scaling = _rope(cfg, max_positions, source)
             return cls(
                 architecture=arch,
                 vocab_size=int(cfg["vocab_size"]),
@@ -69,18 +114,22 @@ class ModelConfig:
                 num_layers=int(cfg["num_hidden_layers"]),
                 num_heads=heads,
                 num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-                head_dim=int(cfg.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-                rope_theta=float(cfg.get("rope_theta", 10000.0)),
-                rope_scaling=cfg.get("rope_scaling"),
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+                head_dim=int(head_dim),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=rope_theta,
+                rope_scaling=rope_scaling,
+                max_position_embeddings=max_positions,
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 qkv_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
                 qk_norm=arch == "Qwen3ForCausalLM",
                 quantization=cfg.get("quantization_config"),
+                sliding_window=_sliding_window(cfg, arch, source),
+                wrapper=wrapper,
             )
         except KeyError as e:
             raise LocalLLMError(f"{source}: missing field {e.args[0]!r}; is this a causal LM config?") from e
+        except (TypeError, ValueError) as e:
+            raise LocalLLMError(f"{source}: a field has the wrong type ({e})") from e
 
     @property
     def num_params(self) -> int:
@@ -90,17 +139,103 @@ class ModelConfig:
         return self.num_layers * per_layer + v * h * (1 if self.tie_word_embeddings else 2) + h
 
 
+def _refuse_unsupported_math(cfg: dict[str, Any], arch: str, source: str) -> None:
+    act = cfg.get("hidden_act") or "silu"
+    if act != "silu":
+        raise LocalLLMError(f"{source}: hidden_act {act!r} is not supported (silu only)")
+    if cfg.get("mlp_bias"):
+        raise LocalLLMError(f"{source}: mlp_bias is not supported (MLP layers without bias only)")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(key) is not None:
+            raise LocalLLMError(f"{source}: {key} is not supported")
+
+
+def _sliding_window(cfg: dict[str, Any], arch: str, source: str) -> int | None:
+    """The window when some layer attends through one, as transformers decides it: Mistral's
+    sliding_window (4096 when left out; null is off), Qwen's only with use_sliding_window and
+    then on the layers from max_window_layers on, or where layer_types says so."""
+    if arch == "MistralForCausalLM":
+        window = cfg.get("sliding_window", 4096)
+    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and cfg.get("use_sliding_window"):
+        window = cfg.get("sliding_window", 4096)
+        types = cfg.get("layer_types")
+        if types is None:
+            first = cfg.get("max_window_layers", 28)
+            types = ["sliding_attention" if window is not None and i >= first else "full_attention"
+                     for i in range(int(cfg["num_hidden_layers"]))]
+        if "sliding_attention" not in types:
+            window = None
+    else:
+        return None
+    if window is None:
+        return None
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise LocalLLMError(f"{source}: sliding_window {window!r} is not a number of tokens")
+    return window
+
+
+def _rope(cfg: dict[str, Any], max_positions: int, source: str) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) as transformers 5 reads them: ``rope_parameters`` (what it
+    writes) or the older ``rope_scaling``, which replaces it when both are there; the theta
+    inside wins over a top-level ``rope_theta``; llama3 and yarn take the pretraining length
+    from ``original_max_position_embeddings`` (top level first, as transformers does), else
+    from max_position_embeddings."""
+    raw = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if not isinstance(raw, dict):
+        raise LocalLLMError(f"{source}: rope_parameters must be an object, got {raw!r}")
+    if any(isinstance(v, dict) for v in raw.values()):
+        raise LocalLLMError(f"{source}: rope_parameters set per layer type ({', '.join(raw)}) is not supported")
+    params = dict(raw)
+    theta = params.pop("rope_theta", None)
+    theta = cfg.get("rope_theta", 10000.0) if theta is None else theta
+    kind = params.pop("rope_type", None) or params.get("type") or "default"
+    params.pop("type", None)
+    partial = params.pop("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    if partial not in (None, 1, 1.0):
+        raise LocalLLMError(f"{source}: partial_rotary_factor {partial!r} is not supported (rotary over the whole head)")
+    if not _positive(theta):
+        raise LocalLLMError(f"{source}: rope_theta {theta!r} must be a positive number")
+    if kind == "default":
+        return float(theta), None
+    if kind == "freq_factors":  # what the GGUF reader makes of llama.cpp's rope_freqs tensor
+        return float(theta), {"rope_type": kind, "factors": params["factors"]}
+    if kind not in ROPE_TYPES:
+        raise LocalLLMError(f"{source}: rope type {kind!r} is not supported ({', '.join(ROPE_TYPES)})")
+    if kind in ("llama3", "yarn"):
+        top = cfg.get("original_max_position_embeddings")
+        params["original_max_position_embeddings"] = top if top is not None else (
+            params.get("original_max_position_embeddings") or max_positions)
+    needed = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+              "yarn": ("factor",)}[kind]
+    for key in needed:
+        if key not in params:
+            raise LocalLLMError(f"{source}: rope type {kind!r} needs {key!r} in rope_parameters")
+    if kind == "yarn" and params["factor"] is None:  # transformers: the ratio of the two lengths
+        params["factor"] = max_positions / params["original_max_position_embeddings"]
+    for key, value in params.items():
+        if key in ("truncate",):
+            continue
+        if value is not None and not _positive(value):
+            raise LocalLLMError(f"{source}: rope_parameters {key} {value!r} must be a positive number")
+    return float(theta), {"rope_type": kind, **params}
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
 def rope_cos_sin(cfg: ModelConfig, max_positions: int) -> torch.Tensor:
     """[max_positions, head_dim] fp32: cos over the first half, sin over the second."""
     dim = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     scaling = cfg.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type"))
+    attention_factor = 1.0
     if kind == "llama3":
         # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
         factor = scaling["factor"]
         low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
-        old_ctx = scaling.get("original_max_position_embeddings", 8192)
+        old_ctx = scaling.get("original_max_position_embeddings", cfg.max_position_embeddings)
         wavelen = 2 * math.pi / inv_freq
         smooth = ((old_ctx / wavelen) - low) / (high - low)
         blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
@@ -111,10 +246,42 @@ def rope_cos_sin(cfg: ModelConfig, max_positions: int) -> torch.Tensor:
         inv_freq = inv_freq / torch.tensor(scaling["factors"], dtype=torch.float64)
     elif kind == "linear":
         inv_freq = inv_freq / scaling["factor"]
+    elif kind == "yarn":
+        inv_freq, attention_factor = _yarn(inv_freq, scaling, cfg.rope_theta, dim)
     elif kind not in (None, "default"):
-        raise LocalLLMError(f"rope_scaling type {kind!r} is not supported (llama3, linear or none)")
+        raise LocalLLMError(f"rope_scaling type {kind!r} is not supported ({', '.join(ROPE_TYPES)})")
     angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
-    return torch.cat((angles.cos(), angles.sin()), dim=-1).float()
+    return (torch.cat((angles.cos(), angles.sin()), dim=-1) * attention_factor).float()
+
+
+def _yarn(inv_freq: torch.Tensor, scaling: dict[str, Any], theta: float, dim: int) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv 2309.00071) as transformers 5 computes it: frequencies that rotate fewer
+    than beta_slow times over the pretraining length are interpolated (divided by factor),
+    those above beta_fast kept, a linear ramp between; cos and sin are scaled by the
+    attention factor, 0.1 ln(factor) + 1 unless given."""
+    factor = scaling["factor"]
+    orig = scaling["original_max_position_embeddings"]
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.get("beta_fast") or 32), correction_dim(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    extrapolated = 1 - ramp
+    return inv_freq / factor * (1 - extrapolated) + inv_freq * extrapolated, float(attention_factor)
 
 
 @dataclass(slots=True)
@@ -151,18 +318,23 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        # Set by the model runner once the KV pool exists: [num_blocks, block_size, KVH, D] each.
+        # Set by the model runner once the KV pool exists: [num_blocks, block_size, KVH, D] each,
+        # and for an FP8 cache the per-tensor scales it stores K / k_scale and V / v_scale with
+        # (1-element fp32 tensors, so CUDA graphs replay them; 1.0 until set, as in vLLM).
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        self.k_scale: torch.Tensor | float = 1.0
+        self.v_scale: torch.Tensor | float = 1.0
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv_proj(x)
-        if qkv.device.type == "cpu" and self.k_cache.dtype == torch.float32:
-            # The CPU KV cache is fp32 (bf16 SDPA is 6-8x slower there); one cast here replaces
-            # the casts that rotary, the cache write and SDPA would each make.
+        if not use_triton(qkv) and self.k_cache.dtype in (torch.float32, torch.float8_e4m3fn):
+            # The CPU attention runs in fp32 (bf16 SDPA is 6-8x slower there), over an fp32
+            # cache or an FP8 one dequantized to q's dtype; one cast here replaces the casts
+            # that rotary, the cache write and SDPA would each make.
             qkv = qkv.float()
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(T, self.num_heads, self.head_dim)
@@ -170,10 +342,11 @@ class Attention(nn.Module):
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = rotary_and_store_kv(q, k, v, positions, cos_sin, self.k_cache, self.v_cache, meta.slot_mapping)
+        q = rotary_and_store_kv(q, k, v, positions, cos_sin, self.k_cache, self.v_cache, meta.slot_mapping,
+                                self.k_scale, self.v_scale)
         o = paged_attention(
             q, self.k_cache, self.v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-            self.scale, meta.num_decodes,
+            self.scale, meta.num_decodes, self.k_scale, self.v_scale,
         )
         return self.o_proj(o.reshape(T, self.q_size).to(x.dtype))
 

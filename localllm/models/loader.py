@@ -74,7 +74,8 @@ def _open_hf_dir(path: Path) -> Checkpoint:
     for shard in shards:
         if not shard.is_file():
             raise LocalLLMError(f"{shard}: listed in the index but missing")
-    num_tensors = sum(len(_safetensors_header(s)) for s in shards)
+    rename = _text_weight_name if config.wrapper else lambda name: name
+    num_tensors = sum(rename(n) is not None for s in shards for n in _safetensors_header(s))
 
     def weights() -> WeightIter:
         from safetensors import safe_open
@@ -83,13 +84,31 @@ def _open_hf_dir(path: Path) -> Checkpoint:
             try:
                 with safe_open(str(shard), framework="pt") as f:
                     for name in f.keys():
-                        yield name, f.get_tensor(name)
+                        text_name = rename(name)
+                        if text_name is not None:
+                            yield text_name, f.get_tensor(name)
             except LocalLLMError:
                 raise
             except Exception as e:  # safetensors raises its own error types for corrupt data
                 raise LocalLLMError(f"{shard}: corrupt or truncated safetensors file ({e})") from e
 
     return Checkpoint(path, "hf", config, tokenizer, weights, num_tensors)
+
+
+# Where multimodal wrappers keep their text model: transformers 5 (and 4.52+), older releases,
+# and Idefics3/SmolVLM. The rest of such a checkpoint (vision tower, projector) is not loaded.
+_TEXT_PREFIXES = (
+    ("model.language_model.", "model."), ("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+    ("model.text_model.", "model."), ("text_model.", "model."), ("lm_head.", "lm_head."),
+)
+
+
+def _text_weight_name(name: str) -> str | None:
+    """A multimodal checkpoint's tensor name as the text model's, or None for the others."""
+    for prefix, to in _TEXT_PREFIXES:
+        if name.startswith(prefix):
+            return to + name[len(prefix):]
+    return None
 
 
 def _safetensors_header(path: Path) -> dict[str, Any]:
@@ -340,6 +359,7 @@ def _open_gguf(path: Path) -> Checkpoint:
         # llama.cpp bakes Llama 3.1 rope scaling into per-frequency divisors.
         factors = _dequantize(tensors["rope_freqs.weight"], path).flatten().tolist()
         hf_cfg["rope_scaling"] = {"rope_type": "freq_factors", "factors": factors}
+    _gguf_rope_scaling(fields, arch, hf_cfg, path)
     config = ModelConfig.from_hf(hf_cfg, str(path))
     try:
         tokenizer = Tokenizer.from_gguf_fields(fields, str(path))
@@ -374,6 +394,36 @@ def _open_gguf(path: Path) -> Checkpoint:
 
     block_types = {hf: int(t.tensor_type) for n, t in tensors.items() if (hf := _gguf_hf_name(n)) is not None}
     return Checkpoint(path, "gguf", config, tokenizer, weights, len(tensors), block_types)
+
+
+def _gguf_rope_scaling(fields: dict[str, Any], arch: str, hf_cfg: dict[str, Any], path: Path) -> None:
+    """llama.cpp's rope.* keys as HF rope_scaling: linear and yarn (whose defaults llama.cpp
+    shares with HF); anything else would change the positions in a way not implemented here,
+    so it is refused rather than ignored."""
+    rope = {k.removeprefix(f"{arch}.rope."): v for k, v in fields.items() if k.startswith(f"{arch}.rope.")}
+    dims = rope.get("dimension_count")
+    if dims is not None and dims != hf_cfg["head_dim"]:
+        raise LocalLLMError(f"{path}: rope over {dims} of {hf_cfg['head_dim']} head dimensions is not supported")
+    kind = rope.get("scaling.type", "none")
+    known = {"freq_base", "dimension_count", "scaling.type", "scaling.finetuned"}
+    if kind in ("none", ""):
+        known |= {k for k in rope if k.startswith("scaling.")}  # no scaling: its settings do not apply
+    elif kind in ("linear", "yarn"):
+        if "rope_scaling" in hf_cfg:
+            raise LocalLLMError(f"{path}: rope_freqs and rope.scaling.type {kind!r} together are not supported")
+        factor = rope.get("scaling.factor")
+        if not isinstance(factor, (int, float)) or not factor > 0:
+            raise LocalLLMError(f"{path}: rope.scaling.factor {factor!r} must be a positive number")
+        hf_cfg["rope_scaling"] = {"rope_type": kind, "factor": float(factor)}
+        if kind == "yarn":
+            hf_cfg["rope_scaling"]["original_max_position_embeddings"] = int(
+                rope.get("scaling.original_context_length") or hf_cfg["max_position_embeddings"])
+        known |= {"scaling.factor", "scaling.original_context_length"}
+    else:
+        raise LocalLLMError(f"{path}: rope.scaling.type {kind!r} is not supported (none, linear, yarn)")
+    extra = sorted(k for k in rope if k not in known)
+    if extra:
+        raise LocalLLMError(f"{path}: GGUF rope setting {arch}.rope.{extra[0]} is not supported")
 
 
 def _dequantize(t: Any, path: Path) -> np.ndarray:
@@ -456,6 +506,8 @@ class LoadedModel:
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Plan KV dtype names -> torch storage dtypes ("fp8" is e4m3, as vLLM's "fp8").
+_KV_DTYPES = {**_DTYPES, "fp8": torch.float8_e4m3fn}
 
 
 def _release_loader_memory() -> None:
@@ -484,6 +536,7 @@ def load_model(
     num_kv_blocks: int | None = None,
     block_size: int = 16,
     gpu_memory_utilization: float = 0.9,
+    kv_cache_dtype: str = "auto",
     progress: Callable[[str, int, int], None] | None = None,
     compile: bool = True,
 ) -> LoadedModel:
@@ -492,6 +545,7 @@ def load_model(
     from localllm import store
     from localllm.hardware.planner import plan as make_plan
     from localllm.hardware.probe import probe_hardware
+    from localllm.kernels._triton import rehearsing
 
     if quant is not None:
         from localllm.quant import check_method
@@ -525,10 +579,19 @@ def load_model(
         cfg, hw, context=max_model_len or context, chats=chats, quant=None if quant == "gguf" else plan_quant,
         dtype=None if dtype == "auto" else dtype, gpu_memory_utilization=gpu_memory_utilization,
         block_size=block_size, cpu_gguf=cpu_gguf, cpu_compile=compile, name=name or store.DEFAULT_MODEL,
+        kv_cache_dtype=kv_cache_dtype,
     )
     dev = torch.device(plan.device)
     torch_dtype = _DTYPES[plan.weight_dtype]
-    max_len = min(max_model_len or plan.max_model_len, cfg.max_position_embeddings)
+    kv_dtype = _KV_DTYPES[plan.kv_dtype]
+    if rehearsing() and dev.type == "cpu":
+        if torch_dtype == torch.bfloat16:
+            raise LocalLLMError(
+                "LOCALLLM_TRITON_ON_CPU=1 runs the Triton kernels under the interpreter, which computes bf16"
+                " wrongly: pass --dtype float32 or --dtype float16")
+        if kv_dtype == torch.float32:
+            kv_dtype = torch_dtype  # what a GPU would store: the activation dtype
+    max_len = min(max_model_len or plan.max_model_len, cfg.max_context)
     blocks = num_kv_blocks or plan.num_kv_blocks
     # An explicit method wins over the plan's label (rtn4 and int8-w8a8 plan as awq and int8).
     method = pre_quant or (quant if quant not in (None, "none") else plan.quant)
@@ -564,7 +627,7 @@ def load_model(
     _release_loader_memory()
     return LoadedModel(
         name=name or store.DEFAULT_MODEL, path=path, model=model, tokenizer=ckpt.tokenizer, plan=plan,
-        precision=method or plan.weight_dtype, device=dev, kv_dtype=_DTYPES[plan.kv_dtype],
+        precision=method or plan.weight_dtype, device=dev, kv_dtype=kv_dtype,
         max_model_len=max_len, num_kv_blocks=blocks, use_cuda_graphs=plan.use_cuda_graphs,
         predicted_bytes=plan.expected_measured_bytes,
     )
@@ -592,10 +655,14 @@ def save_hf_folder(
         "rope_scaling": cfg.rope_scaling, "max_position_embeddings": cfg.max_position_embeddings,
         "tie_word_embeddings": cfg.tie_word_embeddings, "attention_bias": cfg.qkv_bias,
         "hidden_act": "silu", "torch_dtype": "float32",
+        # a window is written so that both readers cap the context there (see ModelConfig)
+        "sliding_window": cfg.sliding_window, "use_sliding_window": cfg.sliding_window is not None,
+        "max_window_layers": 0,
         "bos_token_id": ckpt.tokenizer.bos_token_id,
         "eos_token_id": list(ckpt.tokenizer.eos_token_ids),
     }
     hf.update(extra_config or {})
+    hf["dtype"] = hf["torch_dtype"]  # transformers 5 reads dtype; older ones torch_dtype
     (out / "config.json").write_text(json.dumps(hf, indent=2))
     tok = ckpt.tokenizer
     tok.backend.save(str(out / "tokenizer.json"))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from localllm.errors import LocalLLMError
+from localllm.kernels._triton import use_triton
 from localllm.kernels.awq_gemm import awq_dequantize, awq_gemm, awq_gemm_ref, awq_pack, awq_unpack
 from localllm.quant.linear import QuantLinear, cpu_backend
 
@@ -146,7 +147,7 @@ class AWQLinear(QuantLinear):
         self._cpu_packed = None
 
     def _finish_loading(self) -> None:
-        if self.qweight.device.type == "cpu" and cpu_backend("int4") != "dequant":
+        if not use_triton(self.qweight) and cpu_backend("int4") != "dequant":
             self._pack_for_cpu()
 
     def _pack_for_cpu(self) -> None:
@@ -166,14 +167,14 @@ class AWQLinear(QuantLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if self._cpu_packed is not None and x.device.type == "cpu":
+        if use_triton(x):  # CUDA, or the CPU in rehearsal mode
+            y = awq_gemm(x2, self.qweight, self.qzeros, self.scales, self.group_size)
+        elif self._cpu_packed is not None:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x2.to(torch.bfloat16), self._cpu_packed, self.group_size, self._cpu_scale_zeros
             ).to(x.dtype)
-        elif x.device.type == "cpu":
-            y = awq_gemm_ref(x2, self.qweight, self.qzeros, self.scales, self.group_size)
         else:
-            y = awq_gemm(x2, self.qweight, self.qzeros, self.scales, self.group_size)
+            y = awq_gemm_ref(x2, self.qweight, self.qzeros, self.scales, self.group_size)
         return self._add_bias(y).reshape(*shape[:-1], self.out_features)
 
     def shard_state(self, rows: slice) -> dict[str, torch.Tensor]:

@@ -53,6 +53,11 @@ def register(sub: Any) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                    help="float dtype of the unquantized parts (auto: float32 on cpu, bfloat16 on cuda)")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="comma-separated KV caches to run each mode with: auto (the model dtype), fp8 (e4m3),"
+                        " float32, bfloat16, float16; the first is the reference (e.g. bfloat16,fp8)")
+    p.add_argument("--calculate-kv-scales", action="store_true",
+                   help="fp8 KV: per-layer scales from a calibration prompt instead of 1.0")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=run_eval)
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from localllm.models.llama import AttentionMetadata, LlamaForCausalLM
+from localllm.quant.kv_cache import kv_scale_tensor
 
 BLOCK_SIZE = 16
 
@@ -59,19 +60,34 @@ def prefill_batch(
     return Batch(ids, positions, meta, lengths)
 
 
-class KVPool:
-    """One [blocks, block_size, kv_heads, head_dim] K and V tensor per layer, attached to the
-    model's attention layers the way the engine's ModelRunner does."""
+@dataclass(frozen=True, slots=True)
+class KVSpec:
+    """How a private pool stores the KV: ``dtype`` None = the model dtype; ``scales`` the
+    (k_scale, v_scale) of each layer of an FP8 cache, None = 1.0 each."""
 
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, dtype: torch.dtype | None = None) -> None:
+    dtype: torch.dtype | None = None
+    scales: Sequence[tuple[float, float]] | None = None
+
+
+class KVPool:
+    """One [blocks, block_size, kv_heads, head_dim] K and V tensor per layer, and their FP8
+    scales, attached to the model's attention layers the way the engine's ModelRunner does."""
+
+    def __init__(
+        self, model: LlamaForCausalLM, num_blocks: int, dtype: torch.dtype | None = None,
+        scales: Sequence[tuple[float, float]] | None = None,
+    ) -> None:
         cfg = model.config
         device = model.device
         dtype = dtype or model.dtype
         shape = (2, cfg.num_layers, num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
         self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        self.scales = kv_scale_tensor(scales, cfg.num_layers, device)
         for i, layer in enumerate(model.model.layers):
             layer.self_attn.k_cache = self.kv[0, i]
             layer.self_attn.v_cache = self.kv[1, i]
+            layer.self_attn.k_scale = self.scales[0, i]
+            layer.self_attn.v_scale = self.scales[1, i]
 
 
 def device_of(model: LlamaForCausalLM) -> torch.device:
@@ -79,9 +95,9 @@ def device_of(model: LlamaForCausalLM) -> torch.device:
 
 
 @torch.inference_mode()
-def prefill_logits(model: LlamaForCausalLM, ids: Sequence[int]) -> torch.Tensor:
+def prefill_logits(model: LlamaForCausalLM, ids: Sequence[int], kv: KVSpec = KVSpec()) -> torch.Tensor:
     """Float32 logits ``[T, vocab]`` of one fresh sequence."""
-    KVPool(model, blocks_for([len(ids)]))
+    KVPool(model, blocks_for([len(ids)]), kv.dtype, kv.scales)
     b = prefill_batch([ids], device_of(model))
     return model.compute_logits(model(b.input_ids, b.positions, b.meta))
 
@@ -99,12 +115,14 @@ class Generation:
 
 
 @torch.inference_mode()
-def greedy_generate(model: LlamaForCausalLM, prompts: Sequence[Sequence[int]], max_new: int) -> Generation:
+def greedy_generate(
+    model: LlamaForCausalLM, prompts: Sequence[Sequence[int]], max_new: int, kv: KVSpec = KVSpec()
+) -> Generation:
     """Greedy continuation of every prompt by exactly ``max_new`` tokens (EOS ignored, so
     runs are comparable token for token), all prompts decoded together as one batch."""
     dev = device_of(model)
     total = [len(p) + max_new for p in prompts]
-    KVPool(model, blocks_for(total))
+    KVPool(model, blocks_for(total), kv.dtype, kv.scales)
     b = prefill_batch(prompts, dev, total)
     hidden = model(b.input_ids, b.positions, b.meta)
     last = b.meta.query_start_loc[1:].long() - 1

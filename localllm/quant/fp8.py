@@ -11,6 +11,7 @@ from functools import cache
 
 import torch
 
+from localllm.kernels._triton import use_triton
 from localllm.kernels.fp8_gemm import fp8_w8a8_gemm
 from localllm.quant.linear import ChannelScaledLinear
 
@@ -58,7 +59,7 @@ class FP8Linear(ChannelScaledLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if x.device.type == "cpu" or self.weight_only:
+        if not use_triton(x) or self.weight_only:
             y = self._dequant_matmul(x2)
         else:  # the kernel quantizes activations per token; below sm89 it runs its reference
             y = fp8_w8a8_gemm(x2, self.weight, self.weight_scale)

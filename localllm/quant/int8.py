@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from localllm.kernels._triton import use_triton
 from localllm.kernels.int8_gemm import int8_w8a8_gemm, int8_w8a16_gemm, quantize_per_token_int8
 from localllm.quant.linear import ChannelScaledLinear, cpu_backend
 
@@ -46,13 +47,13 @@ class Int8Linear(ChannelScaledLinear):
         self.weight_scale.copy_(s)
 
     def _finish_loading(self) -> None:
-        if self.weight.device.type == "cpu" and cpu_backend("int8") != "dequant":
+        if not use_triton(self.weight) and cpu_backend("int8") != "dequant":
             self._cpu_scale = self.weight_scale.to(torch.bfloat16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if x.device.type != "cpu":
+        if use_triton(x):  # CUDA, or the CPU in rehearsal mode
             y = int8_w8a16_gemm(x2, self.weight, self.weight_scale)
         elif self._cpu_scale is not None and x2.shape[0] <= PACKED_MAX_ROWS:
             y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), self.weight, self._cpu_scale)

@@ -16,9 +16,10 @@ import socket
 import sys
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
@@ -29,17 +30,15 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from localllm.engine.async_engine import AsyncEngine
 from localllm.engine.engine import RequestOutput
 from localllm.engine.guided import GrammarError
-from localllm.engine.sequence import SamplingParams
-from localllm.errors import LocalLLMError
+from localllm.engine.sequence import SamplingParams, choice_seed
+from localllm.errors import InvalidParameterError, LocalLLMError
 from localllm.server.cli import bind_socket
 from localllm.server.protocol import (
-    SEED_MAX,
-    SEED_MIN,
     APIError,
     ChatRequest,
     CompletionRequest,
@@ -56,6 +55,7 @@ MAX_BODY_BYTES = 4 * 2**20
 # 413 answer instead of a reset connection while it is still uploading.
 DRAIN_BYTES = 64 * 2**20
 OPEN_PATHS = frozenset({"/health"})
+RETRY_AFTER_S = 1  # a 503's Retry-After: the waiting queue moves every engine step
 
 Job = tuple[list[int], SamplingParams, str]  # prompt ids, params, request id
 
@@ -67,13 +67,67 @@ class _ClientGone(Exception):
 # ---- the engine side ----
 
 @dataclass(slots=True)
+class _Limits:
+    """Load limits, as vLLM's and llama-server's. None is off."""
+
+    max_waiting: int | None = None  # engine requests admitted that have no first token yet
+    request_timeout: float | None = None  # seconds from admission to the last token
+
+
+@dataclass(slots=True)
 class _State:
+    """Per app. The counters are written only on the app's event loop."""
+
     engine: AsyncEngine
     model: str
     context_limit: int
+    vocab_size: int  # the model's: the bound of top_k, stop_token_ids and prompt ids
     created: int
     token_text: Callable[[int], str]
     sampling_defaults: dict[str, float | int]  # for the fields a request omits
+    limits: _Limits = field(default_factory=_Limits)
+    num_waiting: int = 0  # held by _Admission objects
+    num_rejected: int = 0  # 503s for --max-waiting
+    num_timed_out: int = 0
+
+
+class _Admission:
+    """The waiting slots one HTTP request holds: one per job, from admission until that job's
+    first output. ``release`` gives back whatever is left; the response calls it when it ends,
+    however it ends, so no slot outlives its request."""
+
+    def __init__(self, state: _State, num_jobs: int) -> None:
+        limit = state.limits.max_waiting
+        if limit is not None and num_jobs > limit:  # no wait would help: not a 503
+            raise APIError(400, f"this request makes {num_jobs} sequences (n x prompts), more than the server's "
+                                f"--max-waiting {limit}", param="n", code="invalid_value")
+        if limit is not None and state.num_waiting + num_jobs > limit:
+            state.num_rejected += 1
+            raise APIError(503, f"the server is busy: {state.num_waiting} requests are waiting for their first "
+                                f"token (limit {limit}, --max-waiting); retry shortly",
+                           type_="server_error", code="server_busy", headers={"Retry-After": str(RETRY_AFTER_S)})
+        self.state = state
+        self.pending = set(range(num_jobs))
+        self.deadline = None if state.limits.request_timeout is None else (
+            time.monotonic() + state.limits.request_timeout)
+        state.num_waiting += num_jobs
+
+    def started(self, k: int) -> None:
+        if k in self.pending:
+            self.pending.discard(k)
+            self.state.num_waiting -= 1
+
+    def release(self) -> None:
+        self.state.num_waiting -= len(self.pending)
+        self.pending.clear()
+
+    def remaining(self) -> float | None:
+        return None if self.deadline is None else max(self.deadline - time.monotonic(), 0.0)
+
+    def timed_out(self) -> APIError:
+        self.state.num_timed_out += 1
+        return APIError(504, f"the request ran past the server's limit of {self.state.limits.request_timeout:g} s "
+                             "(--request-timeout) and was stopped", type_="server_error", code="timeout")
 
 
 def _make_state(engine: AsyncEngine, model_name: str | None) -> _State:
@@ -86,7 +140,7 @@ def _make_state(engine: AsyncEngine, model_name: str | None) -> _State:
         return tokenizer.decode([token_id], skip_special_tokens=False)
 
     return _State(engine, model_name or llm.model_name, min(llm.max_model_len, bm.num_blocks * bm.block_size),
-                  int(time.time()), token_text, dict(llm.sampling_defaults))
+                  llm.runner.model.config.vocab_size, int(time.time()), token_text, dict(llm.sampling_defaults))
 
 
 def _fan_in(engine: AsyncEngine, jobs: list[Job]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -162,13 +216,14 @@ def _jobs(state: _State, req: GenerationRequest, prompts: list[list[int]], param
         ):
             raise context_length_error(state.context_limit, len(ids), req.max_tokens, param)
         for i in range(req.n):
-            kw = dict(req.sampling)
-            if kw["seed"] is not None and i:  # choice i gets seed + i, so choices differ reproducibly
-                kw["seed"] = SEED_MIN + (kw["seed"] + i - SEED_MIN) % (SEED_MAX - SEED_MIN + 1)
+            # choice i gets seed + i, so choices differ reproducibly
+            kw = {**req.sampling, "seed": choice_seed(req.sampling["seed"], i)}
             try:
                 params = SamplingParams(**kw)
-            except LocalLLMError as e:
-                raise APIError(422, str(e), code="invalid_value") from None
+                # against the model here, before a stream starts: the engine checks it again
+                params.validate(state.vocab_size)
+            except InvalidParameterError as e:
+                raise APIError(422, f"'{e.param}': {e.problem}", param=e.param, code="invalid_value") from None
             jobs.append((ids, params, f"{base_id}-{p * req.n + i}"))
     return jobs
 
@@ -209,6 +264,10 @@ def _usage(prompts: list[list[int]], n: int, finals: list[RequestOutput | None])
                  for p in range(len(prompts)))
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _limit(value: float | None) -> float | str:
+    return "+Inf" if value is None else value
 
 
 def _engine_error(e: BaseException) -> APIError:
@@ -295,13 +354,13 @@ async def _wait_disconnect(receive: Receive) -> None:
             return
 
 
-async def _unless_disconnected(receive: Receive, work: Awaitable[Any]) -> Any:
+async def _unless_disconnected(receive: Receive, work: Awaitable[Any], timeout: float | None = None) -> Any:
     """Runs ``work`` and returns its result; cancels it (aborting its requests) and raises
-    ``_ClientGone`` if the client hangs up first."""
+    ``_ClientGone`` if the client hangs up first, ``asyncio.TimeoutError`` after ``timeout`` s."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_disconnect(receive))
     try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({task, watcher}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     finally:
         for t in (task, watcher):
             if not t.done():
@@ -309,7 +368,9 @@ async def _unless_disconnected(receive: Receive, work: Awaitable[Any]) -> Any:
         await asyncio.gather(task, watcher, return_exceptions=True)
     if task in done:
         return task.result()
-    raise _ClientGone()
+    if watcher in done:
+        raise _ClientGone()
+    raise asyncio.TimeoutError()
 
 
 def _sse(data: Any) -> bytes:
@@ -324,8 +385,9 @@ class _EventStream:
     generator and so aborts the engine requests behind it. This does not depend on the server
     raising on ``send`` to a closed socket, which uvicorn does not do."""
 
-    def __init__(self, events: AsyncIterator[bytes]) -> None:
+    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
         self.events = events
+        self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def stream() -> None:
@@ -347,6 +409,36 @@ class _EventStream:
                     t.cancel()
             await asyncio.gather(streamer, watcher, return_exceptions=True)
             await self.events.aclose()  # type: ignore[attr-defined]
+            self.on_close()
+
+
+class _InternalErrors:
+    """A bug of ours answers 500 in the API's shape, its traceback on the server's stderr, and
+    keeps the connection. (Starlette's handler for Exception re-raises after answering, and
+    uvicorn then closes the socket: the client's next request on it would fail too.)"""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watched_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched_send)
+        except Exception as e:
+            if started:  # mid-body nothing valid can follow: let the server close the connection
+                raise
+            traceback.print_exc()
+            error = APIError(500, f"internal error: {type(e).__name__}", type_="server_error")
+            await JSONResponse(error.body(), status_code=500)(scope, receive, send)
 
 
 class _BearerAuth:
@@ -377,10 +469,14 @@ class _BearerAuth:
 
 def create_app(
     engine: AsyncEngine, *, model_name: str | None = None, api_key: str | None = None,
-    max_body_bytes: int = MAX_BODY_BYTES,
+    max_body_bytes: int = MAX_BODY_BYTES, max_waiting: int | None = None, request_timeout: float | None = None,
 ) -> Starlette:
-    """The ASGI app. ``engine`` must be running (its thread started); the app never stops it."""
+    """The ASGI app. ``engine`` must be running (its thread started); the app never stops it.
+    ``max_waiting`` and ``request_timeout`` (seconds) are off when None."""
+    if api_key is not None and not api_key:
+        raise LocalLLMError("the API key is empty; pass a key, or None to serve without one")
     state = _make_state(engine, model_name)
+    state.limits = _Limits(max_waiting, request_timeout)
 
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok", "model": state.model})
@@ -403,6 +499,12 @@ def create_app(
             ("num_preemptions_total", "counter", s.num_preemptions),
             ("prefix_cache_hit_tokens_total", "counter", s.prefix_cache_hit_tokens),
             ("prompt_tokens_total", "counter", s.prompt_tokens),
+            # the load limits (+Inf: off) and what they did
+            ("server_requests_waiting", "gauge", state.num_waiting),
+            ("max_waiting", "gauge", _limit(state.limits.max_waiting)),
+            ("request_timeout_seconds", "gauge", _limit(state.limits.request_timeout)),
+            ("requests_rejected_total", "counter", state.num_rejected),
+            ("requests_timed_out_total", "counter", state.num_timed_out),
         ]
         text = "".join(f"# TYPE localllm:{n} {t}\nlocalllm:{n}{{model_name=\"{state.model}\"}} {v}\n"
                        for n, t, v in rows)
@@ -413,9 +515,11 @@ def create_app(
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         jobs = _jobs(state, req, [ids], "messages", rid)
         await _compile_grammar(state, jobs, grammar_param)
+        admission = _Admission(state, len(jobs))
         if req.stream:
-            return _EventStream(_chat_stream(state, req, [ids], jobs, rid, calling))  # type: ignore[return-value]
-        finals = await _finals(request, state, jobs)
+            return _EventStream(_chat_stream(state, req, [ids], jobs, rid, admission, calling),  # type: ignore[return-value]
+                                admission.release)
+        finals = await _finals(request, state, jobs, admission)
         choices = []
         for k, out in enumerate(finals):
             assert out is not None
@@ -438,9 +542,11 @@ def create_app(
         rid = f"cmpl-{uuid.uuid4().hex}"
         jobs = _jobs(state, req, prompts, "prompt", rid)
         await _compile_grammar(state, jobs, guided.param)
+        admission = _Admission(state, len(jobs))
         if req.stream:
-            return _EventStream(_completion_stream(state, req, prompts, jobs, rid))  # type: ignore[return-value]
-        finals = await _finals(request, state, jobs)
+            return _EventStream(_completion_stream(state, req, prompts, jobs, rid, admission),  # type: ignore[return-value]
+                                admission.release)
+        finals = await _finals(request, state, jobs, admission)
         choices = []
         for k, out in enumerate(finals):
             assert out is not None
@@ -454,18 +560,15 @@ def create_app(
 
     async def api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, APIError)
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         return JSONResponse(APIError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
 
-    async def internal_error(request: Request, exc: Exception) -> Response:
-        # a bug of ours: answer in the API's shape; uvicorn logs the traceback server-side
-        error = APIError(500, f"internal error: {type(exc).__name__}", type_="server_error")
-        return JSONResponse(error.body(), status_code=500)
-
-    middleware = [Middleware(_BearerAuth, api_key=api_key)] if api_key else []
+    middleware = [Middleware(_InternalErrors)]
+    if api_key:
+        middleware.append(Middleware(_BearerAuth, api_key=api_key))
     return Starlette(
         routes=[
             Route("/health", health, methods=["GET"]),
@@ -475,43 +578,50 @@ def create_app(
             Route("/v1/completions", completions, methods=["POST"]),
         ],
         middleware=middleware,
-        exception_handlers={APIError: api_error, HTTPException: http_error, Exception: internal_error},
+        exception_handlers={APIError: api_error, HTTPException: http_error},
     )
 
 
-async def _finals(request: Request, state: _State, jobs: list[Job]) -> list[RequestOutput | None]:
+async def _finals(
+    request: Request, state: _State, jobs: list[Job], admission: _Admission,
+) -> list[RequestOutput | None]:
     finals: list[RequestOutput | None] = [None] * len(jobs)
 
     async def run() -> None:
         stream = _fan_in(state.engine, jobs)
         try:
             async for k, out in stream:
+                admission.started(k)
                 if out.finished:
                     finals[k] = out
         finally:
             await stream.aclose()  # type: ignore[attr-defined]
 
     try:
-        await _unless_disconnected(request.receive, run())
+        await _unless_disconnected(request.receive, run(), admission.remaining())
     except _ClientGone:
         raise APIError(499, "client closed the request") from None
+    except asyncio.TimeoutError:
+        raise admission.timed_out() from None
     except APIError:
         raise
     except Exception as e:  # noqa: BLE001 - an engine failure becomes an HTTP error, not a 500 page
         raise _engine_error(e) from None
+    finally:
+        admission.release()
     return finals
 
 
 async def _sse_stream(
     state: _State, include_usage: bool, n: int, prompts: list[list[int]], jobs: list[Job], base: dict[str, Any],
-    choice_fields: Callable[[int, RequestOutput, int, int], dict[str, Any] | None],
+    choice_fields: Callable[[int, RequestOutput, int, int], dict[str, Any] | None], admission: _Admission,
     first: Iterable[dict[str, Any]] = (),
 ) -> AsyncIterator[bytes]:
     """The SSE body of both endpoints: the ``first`` choices, then one chunk per text delta of
     job k with ``choice_fields(k, out, first_token, end_token)`` (the tokens it covers; None
     holds the delta back, a "finish_reason" there overrides the engine's) and one when a job
-    finishes, then usage when asked, then [DONE]. An engine error after the headers are out
-    is reported in-band, as vLLM does."""
+    finishes, then usage when asked, then [DONE]. An engine error or the request timeout
+    after the headers are out is reported in-band, as vLLM does."""
     extra = {"usage": None} if include_usage else {}
     for choice in first:
         yield _sse({**base, "choices": [choice], **extra})
@@ -519,7 +629,15 @@ async def _sse_stream(
     finals: list[RequestOutput | None] = [None] * len(jobs)
     stream = _fan_in(state.engine, jobs)
     try:
-        async for k, out in stream:
+        while True:
+            try:
+                k, out = await asyncio.wait_for(stream.__anext__(), admission.remaining())
+            except StopAsyncIteration:
+                break
+            except asyncio.TimeoutError:  # wait_for cancelled the stream, which aborted its requests
+                yield _sse(admission.timed_out().body())
+                break
+            admission.started(k)
             c = out.outputs[0]
             if out.finished:
                 finals[k] = out
@@ -540,11 +658,12 @@ async def _sse_stream(
         yield _sse(_engine_error(e).body())
     finally:
         await stream.aclose()  # type: ignore[attr-defined]
+        admission.release()
     yield b"data: [DONE]\n\n"
 
 
 def _chat_stream(
-    state: _State, req: ChatRequest, prompts: list[list[int]], jobs: list[Job], rid: str,
+    state: _State, req: ChatRequest, prompts: list[list[int]], jobs: list[Job], rid: str, admission: _Admission,
     calling: ToolCalling | None = None,
 ) -> AsyncIterator[bytes]:
     base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": state.model}
@@ -559,7 +678,7 @@ def _chat_stream(
 
     roles = [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
              for k in range(len(jobs))]
-    return _sse_stream(state, req.include_usage, req.n, prompts, jobs, base, fields, roles)
+    return _sse_stream(state, req.include_usage, req.n, prompts, jobs, base, fields, admission, roles)
 
 
 def _tool_fields(parser: ToolCallParser, out: RequestOutput, text: str) -> dict[str, Any] | None:
@@ -574,7 +693,7 @@ def _tool_fields(parser: ToolCallParser, out: RequestOutput, text: str) -> dict[
 
 
 def _completion_stream(
-    state: _State, req: CompletionRequest, prompts: list[list[int]], jobs: list[Job], rid: str,
+    state: _State, req: CompletionRequest, prompts: list[list[int]], jobs: list[Job], rid: str, admission: _Admission,
 ) -> AsyncIterator[bytes]:
     base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": state.model}
     sent_chars = [0] * len(jobs)  # text offsets of the logprobs, per job
@@ -586,7 +705,7 @@ def _completion_stream(
         sent_chars[k] += len(text)
         return {"text": text, "logprobs": lp}
 
-    return _sse_stream(state, req.include_usage, req.n, prompts, jobs, base, fields)
+    return _sse_stream(state, req.include_usage, req.n, prompts, jobs, base, fields, admission)
 
 
 # ---- running it ----
@@ -645,7 +764,10 @@ def serve_command(args: argparse.Namespace, sock: socket.socket) -> int:
         print(f"localllm: note: {llm.tokenizer.template_note}", file=sys.stderr)
     engine = AsyncEngine(llm)
     try:
-        server = _uvicorn(create_app(engine, model_name=args.served_model_name, api_key=args.api_key))
+        server = _uvicorn(create_app(
+            engine, model_name=args.served_model_name, api_key=args.api_key,
+            max_waiting=args.max_waiting or None, request_timeout=args.request_timeout or None,
+        ))
 
         async def announce() -> None:
             while not server.started:

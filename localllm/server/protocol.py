@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from localllm.engine.sequence import MAX_LOGPROBS as MAX_TOP_LOGPROBS
+from localllm.engine.sequence import SEED_MAX, SEED_MIN
+from localllm.tokenizer import lone_surrogate
+
 MAX_N = 32  # choices per request: each is a full sequence in the engine
 MAX_STOP = 16
-MAX_TOP_LOGPROBS = 20  # the sampler's own cap
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 _NO_DEFAULTS: Mapping[str, float | int] = MappingProxyType({})  # a model that sets no sampling defaults
 
 
@@ -26,7 +28,7 @@ class APIError(Exception):
 
     def __init__(
         self, status: int, message: str, *, type_: str = "invalid_request_error",
-        param: str | None = None, code: str | None = None,
+        param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -34,6 +36,7 @@ class APIError(Exception):
         self.type = type_
         self.param = param
         self.code = code
+        self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -96,7 +99,10 @@ def _float(
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _invalid(name, f"expected a number, got {_kind(value)}")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # JSON integers have no size limit; a 400-digit one is no float
+        raise _invalid(name, "must be a finite number, got an integer beyond the float range") from None
     if not math.isfinite(value):
         raise _invalid(name, "must be a finite number")
     too_low = lo is not None and (value <= lo if lo_open else value < lo)
@@ -172,7 +178,29 @@ class CompletionRequest(GenerationRequest):
 def _require_object(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {_kind(body)}")
+    _refuse_lone_surrogates(body)
     return body
+
+
+def _refuse_lone_surrogates(body: dict[str, Any]) -> None:
+    """JSON may escape half a surrogate pair ("\\ud800"); such a string has no UTF-8 form, so
+    neither the tokenizer nor a JSON reply can carry it. Refused wherever it sits, keys included,
+    before any field is read. Iterative: json.loads nests deeper than Python recurses."""
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                where = f"{path}.{key}" if path else str(key)
+                if lone_surrogate(key) is not None:
+                    raise APIError(400, f"a key in '{path or 'the body'}' holds a lone surrogate, which is not "
+                                        "valid Unicode; send UTF-8 text", param=path or None, code="invalid_value")
+                stack.append((where, item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+        elif isinstance(value, str) and (at := lone_surrogate(value)) is not None:
+            raise APIError(400, f"'{path}': holds a lone surrogate (U+{ord(value[at]):04X}) at character {at}, "
+                                "which is not valid Unicode; send UTF-8 text", param=path, code="invalid_value")
 
 
 def _common(
@@ -193,6 +221,8 @@ def _common(
     stop_token_ids = body.get("stop_token_ids")
     if stop_token_ids is not None and stop_token_ids != [] and _token_ids(stop_token_ids, "stop_token_ids") is None:
         raise _invalid("stop_token_ids", "expected an array of integers")
+    if body.get("logit_bias"):  # applying it is not implemented; ignoring it would change the answer
+        raise APIError(400, "'logit_bias' is not supported", param="logit_bias", code="unsupported")
     best_of = _int(body, "best_of", None, lo=1)
     n = _int(body, "n", 1, lo=1, hi=MAX_N)
     assert n is not None

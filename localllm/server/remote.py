@@ -36,6 +36,8 @@ _CONNECT_TIMEOUT_S = 10.0
 # Between two chunks: a long prompt queued behind other users' prefills on a busy server can
 # take minutes before its first token.
 _READ_TIMEOUT_S = 600.0
+_BUSY_WAIT_S = 60.0  # how long 503s with Retry-After are waited out before the error reaches the user
+_MAX_RETRY_AFTER_S = 30.0
 
 
 def normalize_endpoint(endpoint: str) -> str:
@@ -98,7 +100,8 @@ class RemoteEngine:
         self.endpoint = normalize_endpoint(endpoint)
         self.api_key = api_key
         self.max_model_len: int | None = None
-        self.sampling_defaults: dict[str, float | int] = {}  # what the server reports; localllm serve does
+        self.served_models: list[str] = []  # what /v1/models listed
+        self.sampling_defaults: dict[str, float | int] = {}  # the server applies its own
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._ssl = ssl.create_default_context()  # built once: it costs ~10 ms per client
         self._clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
@@ -126,6 +129,7 @@ class RemoteEngine:
                 models = [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
             except (ValueError, AttributeError):
                 models = []
+        self.served_models = [m["id"] for m in models]
         if wanted is not None:
             # not checked against the list: Ollama, for one, also answers to aliases it does not list
             entry = next((m for m in models if m["id"] == wanted), None)
@@ -294,24 +298,17 @@ class RemoteEngine:
         then ("end", None); ("error", LocalLLMError) or ("aborted", None) instead on failure."""
         url = f"{self.endpoint}/{'chat/completions' if chat else 'completions'}"
         try:
-            async with self._client().stream("POST", url, json=body) as r:
-                if r.status_code >= 400:
-                    raise LocalLLMError(f"{url}: {_error_message(r.status_code, await r.aread())}")
-                async for line in r.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue  # blank separators, ": keep-alive" comments, "event:" lines
-                    data = line[5:].strip()
-                    if data == "[DONE]":
+            waited = 0.0
+            while True:
+                async with self._client().stream("POST", url, json=body) as r:
+                    # a busy server (localllm's --max-waiting) says when to come back, as OpenAI's clients heed
+                    wait = _retry_after(r) if r.status_code == 503 else None
+                    if wait is None or waited + wait > _BUSY_WAIT_S:
+                        await self._read_events(r, url, chat, queue)
                         break
-                    try:
-                        chunk = json.loads(data)
-                    except ValueError:
-                        raise LocalLLMError(f"{url}: the server sent a malformed event: {data[:120]!r}") from None
-                    if not isinstance(chunk, dict):
-                        continue
-                    if "error" in chunk:
-                        raise LocalLLMError(f"{url}: {_error_message(r.status_code, data.encode())}")
-                    queue.put_nowait(("chunk", _parse_chunk(chunk, chat)))
+                    await r.aread()
+                await asyncio.sleep(wait)
+                waited += wait
             queue.put_nowait(("end", None))
         except asyncio.CancelledError:
             queue.put_nowait(("aborted", None))
@@ -320,6 +317,26 @@ class RemoteEngine:
             queue.put_nowait(("error", e))
         except httpx.HTTPError as e:
             queue.put_nowait(("error", LocalLLMError(f"{url}: {_describe(e)}")))
+
+    @staticmethod
+    async def _read_events(r: httpx.Response, url: str, chat: bool, queue: asyncio.Queue[tuple[str, Any]]) -> None:
+        if r.status_code >= 400:
+            raise LocalLLMError(f"{url}: {_error_message(r.status_code, await r.aread())}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data:"):
+                continue  # blank separators, ": keep-alive" comments, "event:" lines
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            try:
+                chunk = json.loads(data)
+            except ValueError:
+                raise LocalLLMError(f"{url}: the server sent a malformed event: {data[:120]!r}") from None
+            if not isinstance(chunk, dict):
+                continue
+            if "error" in chunk:
+                raise LocalLLMError(f"{url}: {_error_message(r.status_code, data.encode())}")
+            queue.put_nowait(("chunk", _parse_chunk(chunk, chat)))
 
     def _count(self, usage: dict[str, Any]) -> None:
         self._tally.prompt_tokens += _int(usage.get("prompt_tokens"))
@@ -361,6 +378,15 @@ def _sampling_defaults(reported: dict[str, Any]) -> dict[str, float | int]:
 
     return {k: kind(v) for k, kind in SAMPLING_KEYS.items()
             if isinstance(v := reported.get(k), (int, float)) and not isinstance(v, bool)}
+
+
+def _retry_after(r: httpx.Response) -> float | None:
+    """Retry-After in seconds when it is a small number (not an HTTP date), else None."""
+    try:
+        wait = float(r.headers.get("retry-after", ""))
+    except ValueError:
+        return None
+    return wait if 0 <= wait <= _MAX_RETRY_AFTER_S else None
 
 
 def _int(value: Any) -> int:

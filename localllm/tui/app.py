@@ -2,39 +2,47 @@
 
 The app owns the engine (or is lent one), the history database and the tabs. Each tab is a
 :class:`ChatPane` with its own worker; the engine batches their requests together, and the
-status bar shows that happening (batch size, KV use, prefix-cache hits).
+status bar shows that happening (batch size, KV use, prefix-cache hits, the tab's context).
+The app is the panes' ``ChatHost`` and the palette's ``PaletteHost``; they reach it only
+through those and through messages.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from rich.text import Text
 from textual import work
 from textual.app import App
 from textual.binding import Binding, BindingType
+from textual.css.query import NoMatches
+from textual.theme import Theme
 from textual.widgets import Footer, TabbedContent, TabPane
 
 from localllm.errors import LocalLLMError
+from localllm.hardware.planner import precision_label
 from localllm.history import History
 from localllm.tui.backend import (
     ChatConfig,
     ChatEngine,
     EngineFactory,
     ProbeReport,
+    base_params,
+    code_blocks,
     load_config,
     memory_label,
-    precision_label,
     probe_report,
 )
 from localllm.tui.chat import ChatPane, Turn, describe
 from localllm.tui.commands import ChatCommands
 from localllm.tui.screens import (
     ConfirmScreen,
+    HelpScreen,
     HistoryScreen,
     ProbeScreen,
     PullScreen,
@@ -42,11 +50,18 @@ from localllm.tui.screens import (
     RenameScreen,
     SettingsScreen,
 )
-from localllm.tui.widgets import StatusBar
+from localllm.tui.widgets import MessageView, PromptArea, StatusBar
+
+if TYPE_CHECKING:
+    from textual.binding import Binding as BindingT
+
+    from localllm.history import Conversation
 
 T = TypeVar("T")
 
 STATUS_HZ = 4  # status figures change slowly; 4 repaints a second are plenty and cheap
+FILL_WARN, FILL_FULL = 0.8, 0.95  # the context gauge turns yellow, then red
+TABS = Binding.Group("Tabs", compact=True)
 
 
 def _goto_bindings() -> list[Binding]:
@@ -61,19 +76,24 @@ class ChatApp(App[None]):
     # ctrl+tab often never reaches a terminal app, and some terminals keep ctrl+pageup/down
     # for their own tabs, so stepping has three keys. alt+digit arrives as alt+digit only
     # under the kitty keyboard protocol: elsewhere Textual turns ESC+1 into "¡" (macOS
-    # Option-key text), so alt+left/right are the fallback that always arrives. Priority,
-    # because the prompt (a TextArea) would take ctrl+w as delete-word.
+    # Option-key text), so alt+left/right are the fallback that always arrives (and the ones
+    # the footer names). Priority, because the prompt (a TextArea) would take ctrl+w as
+    # delete-word.
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("ctrl+t", "new_tab", "New", id="tab.new", priority=True),
-        Binding("ctrl+w", "close_tab", "Close", id="tab.close", priority=True),
-        Binding("ctrl+pagedown,ctrl+tab,alt+right", "next_tab", "Next tab", id="tab.next", show=False,
-                priority=True),
+        Binding("ctrl+w", "close_tab", "Close", id="tab.close", priority=True, show=False),
         Binding("ctrl+pageup,ctrl+shift+tab,alt+left", "previous_tab", "Previous tab", id="tab.previous",
-                show=False, priority=True),
+                key_display="alt+←", priority=True, group=TABS),
+        Binding("ctrl+pagedown,ctrl+tab,alt+right", "next_tab", "Next tab", id="tab.next", key_display="→",
+                priority=True, group=TABS),
         *_goto_bindings(),
-        Binding("f2", "rename_tab", "Rename", id="tab.rename"),
-        Binding("ctrl+o", "history", "History", id="app.history"),
-        Binding("ctrl+s", "settings", "Settings", id="chat.settings"),
+        # Off the footer, which must fit 80 columns: the help and the palette name them (and
+        # the system prompt's header names ctrl+s).
+        Binding("f2", "rename_tab", "Rename", id="tab.rename", show=False),
+        Binding("ctrl+o", "history", "History", id="app.history", show=False),
+        Binding("ctrl+s", "settings", "Settings", id="chat.settings", show=False),
+        Binding("f1", "help_screen", "Help", id="app.help"),
+        Binding("ctrl+q", "quit", "Quit", id="app.quit", priority=True),
     ]
 
     def __init__(
@@ -87,18 +107,22 @@ class ChatApp(App[None]):
         default_params: dict[str, Any] | None = None,
         offer_pull: bool = False,
         probe: bool = True,
+        endpoint: str | None = None,
     ) -> None:
         """``engine``: a ready engine, lent (never shut down here). ``engine_factory``: builds
-        one in a thread (and again on a model switch); the app owns what it builds."""
+        one in a thread (and again on a model switch); the app owns what it builds.
+        ``endpoint``: the factory connects to this server (remote mode)."""
         super().__init__()
         self.config = config if config is not None else load_config()
         if default_params:
             self.config.params.update(default_params)
-        self.engine: ChatEngine | None = engine
+        self._engine: ChatEngine | None = engine
         self.engine_factory = engine_factory
+        self.endpoint = endpoint
         self._owns_engine = False
         self.model_request = model or self.config.model
         self.engine_error: str | None = None
+        self.load_failure: str | None = None  # the last load failed and none succeeded since: exit code 2
         self.loading = False
         self.load_progress: tuple[str, int, int] = ("starting", 0, 0)
         self._engine_ready = asyncio.Event()
@@ -108,7 +132,7 @@ class ChatApp(App[None]):
         self._history: History | None = None
         self._tab_counter = 0
         self.offer_pull = offer_pull
-        self.probe_enabled = probe
+        self.probe_enabled = probe and endpoint is None
         self.probe_cache: ProbeReport | None = None
         self._labels: dict[str, str] = {}
 
@@ -117,32 +141,39 @@ class ChatApp(App[None]):
     def compose(self) -> Any:
         yield TabbedContent(id="tabs")
         yield StatusBar(id="status")
-        yield Footer()
+        yield Footer(compact=True)
 
     async def on_mount(self) -> None:
         if self.config.keymap:
             self.set_keymap(self.config.keymap)
         for problem in self.config.problems:
             self.notify(problem, severity="warning", timeout=10)
-        restored = 0
+        theme = self.history_call("read the theme", self.history.get_state, "theme")
+        if theme and theme in self.available_themes:
+            self.theme = theme
+        self.theme_changed_signal.subscribe(self, self._theme_changed)
+        restored: list[ChatPane] = []
         for conv in self.history_call("read the open tabs", self.history.open_tabs) or []:
-            if await self.open_conversation(conv.id, activate=False) is not None:
-                restored += 1
+            if (chat := await self.open_conversation(conv.id, activate=False)) is not None:
+                restored.append(chat)
         if not restored:
             await self.new_tab()
         else:
-            first = self.chats()[0]
-            self.tabs.active = first.parent.id or ""
-            first.prompt.focus()
+            active = self.history_call("read the active tab", self.history.get_state, "active_tab")
+            chat = next((c for c in restored if c.conversation and str(c.conversation.id) == active), restored[0])
+            self._activate(chat)
         self.set_interval(1 / STATUS_HZ, self.refresh_status)
         self.refresh_status()
-        if self.engine is None and self.engine_factory is not None:
+        if self._engine is None and self.engine_factory is not None:
             if self.offer_pull and self.model_request is None and not _any_local_model():
                 self._offer_default_pull()
             else:
                 self.load_engine(self.model_request)
-        elif self.engine is not None:
+        elif self._engine is not None:
             self._after_load()
+
+    def _theme_changed(self, theme: Theme) -> None:
+        self.history_call("save the theme", self.history.set_state, "theme", theme.name)
 
     @property
     def history(self) -> History:
@@ -170,32 +201,49 @@ class ChatApp(App[None]):
     async def action_quit(self) -> None:
         # Stop replies first so their partial text is committed before the database closes.
         await self.stop_all()
-        self.exit()
+        self.exit(return_code=2 if self.load_failure else 0)
 
     async def on_unmount(self) -> None:
         await self.stop_all()
-        if self.engine is not None and self._owns_engine:
-            engine, self.engine = self.engine, None
+        if self._engine is not None and self._owns_engine:
+            engine, self._engine = self._engine, None
             await asyncio.to_thread(engine.shutdown)
         if self._history is not None:
             self._history.close()
 
-    # ---- the engine ----
+    # ---- the engine (ChatHost) ----
+
+    @property
+    def engine(self) -> ChatEngine | None:
+        return self._engine
+
+    @property
+    def engine_loading(self) -> bool:
+        return self.loading
 
     @property
     def model_name(self) -> str:
-        if self.engine is not None:
+        if self._engine is not None:
             with suppress(Exception):  # a remote engine that lost its server: fall through
-                return str(self.engine.stats().model)
+                return str(self._engine.stats().model)
         return self.model_request or ""
 
+    def base_params(self) -> dict[str, Any]:
+        defaults = self._engine.sampling_defaults if self._engine is not None else {}
+        return base_params(defaults, self.config.params)
+
+    def served_models(self) -> list[str]:
+        return list(self._engine.served_models) if self._engine is not None else []
+
     async def wait_for_engine(self) -> ChatEngine:
-        if self.engine is None and not self.loading:
+        if self._engine is None and not self.loading:
+            if self.endpoint is not None:
+                raise LocalLLMError(self.engine_error or f"not connected to {self.endpoint}: ctrl+p, then Reconnect")
             raise LocalLLMError(self.engine_error or "no model is loaded: ctrl+p, then Pull model or Switch model")
         await self._engine_ready.wait()
-        if self.engine is None:
+        if self._engine is None:
             raise LocalLLMError(self.engine_error or "no model is loaded")
-        return self.engine
+        return self._engine
 
     def load_engine(self, model: str | None) -> None:
         if self.engine_factory is None:
@@ -225,7 +273,7 @@ class ChatApp(App[None]):
         if not self._from_thread(self._engine_loaded, engine):
             engine.shutdown()  # the app quit while loading
 
-    def _from_thread(self, callback: Any, *args: Any) -> bool:
+    def _from_thread(self, callback: Callable[..., Any], *args: Any) -> bool:
         try:
             self.call_from_thread(callback, *args)
         except RuntimeError:  # the app has gone
@@ -233,12 +281,13 @@ class ChatApp(App[None]):
         return True
 
     def _engine_loaded(self, engine: ChatEngine) -> None:
-        self.engine = engine
+        self._engine = engine
         self._owns_engine = True
         self.loading = False
+        self.load_failure = None
         self._engine_ready.set()
-        self.notify(f"Loaded {self.model_name}")
-        note = getattr(engine.tokenizer, "template_note", None)  # a remote engine has no tokenizer
+        self.notify(f"Connected to {self.endpoint}: {self.model_name}" if self.endpoint else f"Loaded {self.model_name}")
+        note = engine.tokenizer.template_note if engine.tokenizer is not None else None
         if note:
             self.notify(note, severity="warning", timeout=15)
         self.refresh_status()
@@ -246,12 +295,15 @@ class ChatApp(App[None]):
 
     def _engine_failed(self, e: BaseException) -> None:
         self.loading = False
-        self.engine_error = f"the model failed to load: {describe(e)}"
+        what = "the connection failed" if self.endpoint else "the model failed to load"
+        self.engine_error = self.load_failure = f"{what}: {describe(e)}"
         self._engine_ready.set()
         self.notify(self.engine_error, severity="error", timeout=20)
+        hint = (f" (is the server at {self.endpoint} running? ctrl+p: Reconnect)" if self.endpoint
+                else " (ctrl+p: Switch model or Pull model)")
         chat = self.active_chat
         if chat is not None:
-            self.call_later(chat.show_error, self.engine_error + " (ctrl+p: Switch model or Pull model)")
+            self.call_later(chat.show_error, self.engine_error + hint)
         self.refresh_status()
 
     def _after_load(self) -> None:
@@ -264,8 +316,14 @@ class ChatApp(App[None]):
         except Exception as e:  # noqa: BLE001 - the palette then offers no verdicts
             self.log.warning(f"probe failed: {e}")
 
+    def action_reconnect(self) -> None:
+        if self.loading:
+            self.notify("Connecting already.")
+            return
+        self.run_worker(self.switch_model(self.model_request), group="switch", exit_on_error=False)
+
     def request_switch_model(self, name: str) -> None:
-        if name == self.model_name and self.engine is not None:
+        if name == self.model_name and self._engine is not None:
             self.notify(f"{name} is already loaded.")
             return
         busy = [c for c in self.chats() if c.generating]
@@ -288,7 +346,7 @@ class ChatApp(App[None]):
             self.notify("A model is loading already.", severity="warning")
             return
         await self.stop_all()
-        old, self.engine = self.engine, None
+        old, self._engine = self._engine, None
         self._engine_ready = asyncio.Event()
         if old is not None and self._owns_engine:
             await asyncio.to_thread(old.shutdown)
@@ -348,31 +406,29 @@ class ChatApp(App[None]):
 
     @property
     def active_chat(self) -> ChatPane | None:
-        pane = self.tabs.active_pane
+        try:
+            pane = self.tabs.active_pane
+        except NoMatches:  # shutting down: the tabs are gone
+            return None
         if pane is None:
             return None
         found = pane.query(ChatPane)
         return found.first() if found else None
 
-    def is_active(self, chat: ChatPane) -> bool:
-        return chat.parent is not None and chat.parent is self.tabs.active_pane
-
     async def new_tab(self, *, title: str | None = None, system_prompt: str | None = None,
-                      params: dict[str, Any] | None = None, conversation: Any = None,
+                      params: dict[str, Any] | None = None, conversation: Conversation | None = None,
                       turns: list[Turn] | None = None, activate: bool = True) -> ChatPane:
         self._tab_counter += 1
         n = self._tab_counter
         chat = ChatPane(
-            title=title or f"Chat {n}",
+            self, title=title or f"Chat {n}",
             system_prompt=self.config.system_prompt if system_prompt is None else system_prompt,
-            params={**self.config.params, **(params or {})},
-            conversation=conversation, turns=turns, id=f"chat-{n}",
+            params=dict(params or {}), conversation=conversation, turns=turns, id=f"chat-{n}",
         )
         pane_id = f"tab-{n}"
         await self.tabs.add_pane(TabPane(chat.title, chat, id=pane_id))
         if activate:
-            self.tabs.active = pane_id
-            chat.prompt.focus()
+            self._activate(chat)
         return chat
 
     async def open_conversation(self, conversation_id: int, activate: bool = True) -> ChatPane | None:
@@ -382,12 +438,16 @@ class ChatApp(App[None]):
                     self._activate(chat)
                 return chat
         conv = self.history_call("open the chat", self.history.get_conversation, conversation_id)
-        stored = self.history_call("read the chat", self.history.messages, conversation_id) if conv else None
-        if conv is None or stored is None:
+        if conv is None:
             return None
-        turns = [Turn(m.role, m.content, m.id, m.finish_reason, m.meta) for m in stored]
+        # No tab of this process writes to it (it is not open), so a reply still marked as
+        # streaming was cut short by a crash.
+        self.history_call("check the chat", self.history.mark_interrupted, conversation_id)
+        stored = self.history_call("read the chat", self.history.messages, conversation_id)
+        if stored is None:
+            return None
         chat = await self.new_tab(title=conv.title, system_prompt=conv.system_prompt, params=conv.params,
-                                  conversation=conv, turns=turns, activate=activate)
+                                  conversation=conv, turns=[Turn.stored(m) for m in stored], activate=activate)
         self.save_open_tabs()
         return chat
 
@@ -398,9 +458,11 @@ class ChatApp(App[None]):
         except Exception as e:  # noqa: BLE001
             self.log.warning(f"could not save open tabs: {e}")
 
-    def retitle(self, chat: ChatPane) -> None:
-        self._labels.pop(chat.parent.id or "", None) if chat.parent is not None else None
-        self._paint_tab_labels()
+    def _save_active_tab(self) -> None:
+        chat = self.active_chat
+        if chat is not None and chat.conversation is not None:
+            with suppress(Exception):
+                self.history.set_state("active_tab", str(chat.conversation.id))
 
     def _paint_tab_labels(self) -> None:
         """A dot marks tabs that are replying, so background work is visible."""
@@ -414,6 +476,28 @@ class ChatApp(App[None]):
                 with suppress(Exception):  # a tab being removed
                     self.tabs.get_tab(pane.id).label = label  # type: ignore[assignment]
 
+    def on_chat_pane_changed(self, event: ChatPane.Changed) -> None:
+        self.save_open_tabs()
+        if event.pane is self.active_chat:
+            self._save_active_tab()
+        self._paint_tab_labels()
+
+    async def on_chat_pane_new_chat_requested(self, event: ChatPane.NewChatRequested) -> None:
+        """Goes on in a new tab: the turns carried over are written to a new conversation first."""
+        old = event.pane
+        title = old.title if old.title.endswith("(continued)") else f"{old.title} (continued)"
+        try:
+            conv = self.history.create_conversation(title, event.system_prompt, event.params, self.model_name)
+            for t in event.turns:
+                self.history.add_message(conv.id, t.role, t.content, t.finish_reason or
+                                         ("stop" if t.role == "assistant" else None), t.meta)
+        except Exception as e:  # noqa: BLE001
+            self.notify(f"Could not start the new chat: {e}", severity="error")
+            return
+        chat = await self.open_conversation(conv.id)
+        if chat is not None and event.text:
+            await chat.send(event.text)
+
     def _activate(self, chat: ChatPane) -> None:
         if chat.parent is not None and chat.parent.id:
             self.tabs.active = chat.parent.id
@@ -423,6 +507,7 @@ class ChatApp(App[None]):
         chat = self.active_chat
         if chat is not None:
             chat.prompt.focus()
+            self._save_active_tab()
             self.refresh_status()
 
     async def action_new_tab(self) -> None:
@@ -472,10 +557,10 @@ class ChatApp(App[None]):
             if not name:
                 return
             chat.title = name
-            self.retitle(chat)
             if chat.conversation is not None:
                 self.history_call("rename the chat", self.history.update_conversation, chat.conversation.id,
                                   title=name)
+            self._paint_tab_labels()
 
         self.push_screen(RenameScreen(chat.title), rename)
 
@@ -484,19 +569,20 @@ class ChatApp(App[None]):
         if chat is None:
             return
 
-        def apply(result: tuple[str, dict[str, Any]] | None) -> None:
+        async def apply(result: tuple[str, dict[str, Any]] | None) -> None:
             if result is not None:
-                chat.apply_settings(*result)
+                await chat.apply_settings(*result)
                 self.notify("Settings saved for this tab.")
 
-        self.push_screen(SettingsScreen(chat.system_prompt, chat.params, f"Settings: {chat.title}"), apply)
+        self.push_screen(SettingsScreen(chat.system_prompt, chat.params, self.base_params(),
+                                        f"Settings: {chat.title}"), apply)
 
     def action_history(self) -> None:
         async def opened(conversation_id: int | None) -> None:
             if conversation_id is not None:
                 await self.open_conversation(conversation_id)
 
-        self.push_screen(HistoryScreen(self.history, self.config.export_dir), opened)
+        self.push_screen(HistoryScreen(self.history, self.config.export_dir, self.delete_conversation), opened)
 
     async def delete_conversation(self, conversation_id: int) -> None:
         for chat in self.chats():
@@ -504,6 +590,36 @@ class ChatApp(App[None]):
                 await self.close_chat(chat)
         self.history_call("delete the chat", self.history.delete_conversation, conversation_id)
         self.save_open_tabs()
+
+    def action_delete_chat(self) -> None:
+        chat = self.active_chat
+        if chat is None:
+            return
+        if chat.conversation is None:
+            self.run_worker(self.close_chat(chat), exit_on_error=False)
+            return
+        conversation_id = chat.conversation.id
+
+        async def answer(yes: bool | None) -> None:
+            if yes:
+                await self.delete_conversation(conversation_id)
+                self.notify(f"Deleted “{chat.title}”.")
+
+        self.push_screen(ConfirmScreen(f"Delete “{chat.title}” and all its messages from the history?", "Delete"),
+                         answer)
+
+    def action_clear_chat(self) -> None:
+        chat = self.active_chat
+        if chat is None or not chat.turns:
+            self.notify("This chat is empty already.")
+            return
+
+        async def answer(yes: bool | None) -> None:
+            if yes:
+                await chat.clear()
+
+        self.push_screen(ConfirmScreen(f"Delete all {len(chat.turns)} messages of “{chat.title}” (every branch)?"
+                                       " Its settings stay.", "Clear"), answer)
 
     def action_export_chat(self) -> None:
         chat = self.active_chat
@@ -525,7 +641,66 @@ class ChatApp(App[None]):
         if chat is not None:
             await chat.run_action(action)
 
+    # ---- help ----
+
+    def get_key_display(self, binding: BindingT) -> str:
+        if binding.id in self.config.keymap:  # a remapped key: its fixed display would be stale
+            binding = dataclasses.replace(binding, key_display=None)
+        return super().get_key_display(binding)
+
+    def _keys_of(self, binding: Binding) -> str:
+        keys = self.config.keymap.get(binding.id or "", binding.key)
+        return ", ".join(super(ChatApp, self).get_key_display(Binding(k.strip(), "")) for k in keys.split(","))
+
+    def help_sections(self) -> list[tuple[str, list[tuple[str, str]]]]:
+        """Every key, read from the bindings themselves (after the config's keymap)."""
+        descriptions = {
+            "tab.previous": "previous tab", "tab.next": "next tab", "tab.new": "new chat tab",
+            "tab.close": "close the tab (a running reply is stopped and kept)", "tab.rename": "rename the tab",
+            "app.history": "history: reopen, search, delete, export", "chat.settings": "system prompt and sampling",
+            "app.help": "this help", "app.quit": "quit", "chat.send": "send", "chat.newline": "newline",
+            "chat.recall_previous": "earlier prompt (in an empty prompt)", "chat.recall_next": "later prompt",
+            "chat.stop": "stop the reply (keeps what came); cancels an edit",
+            "chat.regenerate": "new last reply; the old one stays as a branch",
+            "chat.continue": "go on with a stopped, cut or interrupted reply",
+            "chat.edit_last": "edit your last message", "chat.messages": "select messages (or shift+tab)",
+            "chat.copy_reply": "copy the last reply", "chat.copy_code": "copy the last code block",
+            "message.previous": "previous message", "message.next": "next message (past the last: the prompt)",
+            "message.edit": "edit it: sending makes a new branch", "message.regenerate": "regenerate this reply",
+            "message.branch_previous": "previous branch here", "message.branch_next": "next branch here",
+            "message.copy": "copy it", "message.copy_code": "copy its last code block",
+            "message.leave": "back to the prompt",
+        }
+
+        listed: set[str] = set()
+
+        def rows(bindings: list[BindingType]) -> list[tuple[str, str]]:
+            out = []
+            for b in bindings:
+                if isinstance(b, Binding) and b.id in descriptions and b.id not in listed:
+                    listed.add(b.id)
+                    out.append((self._keys_of(b), descriptions[b.id]))
+            return out
+
+        return [
+            ("Tabs and the app", [*rows(ChatApp.BINDINGS), ("alt+1 … alt+9", "go to tab n"),
+                                  ("^p", "command palette: every command by name, themes")]),
+            ("The prompt", [*rows(PromptArea.BINDINGS), ("?", "this help (in an empty prompt)")]),
+            ("The chat", rows(ChatPane.BINDINGS)),
+            ("A selected message", [*rows(MessageView.BINDINGS), ("click", "copy it (a code block: just the code)")]),
+        ]
+
+    def action_help_screen(self) -> None:
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen(self.help_sections()))
+
+    def on_prompt_area_help_requested(self, event: PromptArea.HelpRequested) -> None:
+        self.action_help_screen()
+
     # ---- clipboard ----
+
+    def on_message_view_copy_requested(self, event: MessageView.CopyRequested) -> None:
+        self.copy_text(event.text, event.what)
 
     def copy_text(self, text: str, what: str) -> None:
         self.copy_to_clipboard(text)  # OSC 52: works over SSH, not in macOS Terminal
@@ -537,11 +712,18 @@ class ChatApp(App[None]):
             pyperclip.copy(text)
         self.notify(f"Copied {what} ({len(text)} characters)")
 
+    def active_code_blocks(self) -> list[str]:
+        chat = self.active_chat
+        if chat is None:
+            return []
+        return next((code_blocks(t.content) for t in reversed(chat.turns)
+                     if t.role == "assistant" and code_blocks(t.content)), [])
+
     # ---- status ----
 
     def status_text(self) -> Text:
         text = Text()
-        if self.engine is None:
+        if self._engine is None:
             if self.loading:
                 stage, done, total = self.load_progress
                 pct = done / total if total else 0.0
@@ -551,39 +733,51 @@ class ChatApp(App[None]):
                 text.append(f" {stage} {pct:.0%}" if total else f" {stage}…")
             elif self.engine_error:
                 text.append(f" {self.engine_error}", style="bold red")
+            elif self.endpoint:
+                text.append(f" not connected to {self.endpoint}: ctrl+p, then Reconnect", style="yellow")
             else:
                 text.append(" no model: ctrl+p, then Pull model", style="yellow")
             return text
         try:
-            s = self.engine.stats()
+            s = self._engine.stats()
         except Exception as e:  # noqa: BLE001
             text.append(f" engine stats unavailable: {e}", style="red")
             return text
         chat = self.active_chat
-        running = int(getattr(s, "num_running", 0) or 0)
-        batch = int(getattr(s, "batch_size", 0) or 0) if running else 0
-        kv = float(getattr(s, "kv_usage", 0.0) or 0.0)
+        remote = self.endpoint is not None
         sep = (" │ ", "dim")
-        text.append(f" {s.model}", style="bold")
-        precision = precision_label(str(getattr(s, "precision", "") or ""))
-        where = str(getattr(s, "device", "") or "?")
-        # A remote server does not say its precision; "unknown/remote" would be noise.
-        text.append(f"  {precision}/{where}" if precision and precision != "unknown" else f"  {where}")
+        text.append(f" {_short_model(s.model)}", style="bold")
+        if remote:
+            text.append(f"  {self.endpoint}")
+        else:
+            text.append(f"  {precision_label(s.precision, None)}/{s.device}")
         text.append(*sep)
-        tok_s = chat.last_tok_s if chat is not None else 0.0
-        text.append(f"{tok_s:.1f} tok/s")
+        text.append(f"{chat.last_tok_s if chat is not None else 0.0:.1f} tok/s")
         text.append(*sep)
-        text.append(f"batch {batch}", style="bold green" if batch > 1 else "")
-        waiting = int(getattr(s, "num_waiting", 0) or 0)
-        if waiting:
-            text.append(f" +{waiting} waiting", style="yellow")
-        text.append(*sep)
-        text.append(f"KV {kv:.1%}")
-        text.append(*sep)
+        batch = s.batch_size if s.num_running else 0
+        # A server does not say how it batches: what this client knows is its own streams.
+        text.append(f"{'streams' if remote else 'batch'} {batch}", style="bold green" if batch > 1 else "")
+        if s.num_waiting:
+            text.append(f" +{s.num_waiting} waiting", style="yellow")
+        if not remote:
+            text.append(*sep)
+            text.append(f"KV {s.kv_usage:.1%}")
+        if chat is not None:
+            used, limit = chat.context_used(), chat.context_limit()
+            text.append(*sep)
+            if limit:
+                fill = used / limit
+                style = "bold red" if fill >= FILL_FULL else "yellow" if fill >= FILL_WARN else ""
+                text.append(f"ctx {used:,}/{limit:,}", style=style)
+            else:
+                text.append(f"ctx {used:,}")
         cached = chat.last_cached_tokens if chat is not None else 0
-        text.append(f"prefix hit {cached}")
-        text.append(*sep)
-        text.append(memory_label(str(getattr(s, "device", ""))))
+        if not remote or cached:  # a server that reports no cache hits would read as "0 hits"
+            text.append(*sep)
+            text.append(f"prefix hit {cached}")
+        if not remote:  # this process's memory says nothing about a server's
+            text.append(*sep)
+            text.append(memory_label(s.device))
         return text
 
     def refresh_status(self) -> None:
@@ -592,6 +786,11 @@ class ChatApp(App[None]):
         except Exception:  # noqa: BLE001 - during shutdown the bar may be gone
             return
         self._paint_tab_labels()
+
+
+def _short_model(name: str) -> str:
+    """A model given as a path shows as its file or folder name: the status bar is one line."""
+    return Path(name).name if name.startswith(("/", "~", ".")) else name
 
 
 def _any_local_model() -> bool:

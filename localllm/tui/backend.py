@@ -1,5 +1,6 @@
 """What the TUI needs from the rest of localllm, without Textual: the engine interface it
-talks to, the config file, model verdicts for the palette, and small text helpers.
+talks to, the config file, sampling parameters, model verdicts for the palette, and small
+text helpers.
 
 Keeping these free of Textual lets them be tested and reused (``localllm chat --endpoint``
 swaps the engine for a remote one behind the same interface).
@@ -7,13 +8,17 @@ swaps the engine for a remote one behind the same interface).
 
 from __future__ import annotations
 
+import ctypes
+import gc
+import math
 import re
 import sys
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
+from localllm.hardware.planner import fmt_bytes
 from localllm.paths import config_path
 
 if sys.version_info >= (3, 11):
@@ -21,22 +26,45 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised only on 3.10
     import tomli as tomllib
 
+if TYPE_CHECKING:
+    from localllm.engine.async_engine import AsyncEngine
+    from localllm.engine.engine import EngineStats, Prompt, RequestOutput
+    from localllm.engine.sequence import SamplingParams
+    from localllm.tokenizer import Message, Tokenizer
+
 # (stage, done, total) from a loading or pulling thread; total == 0 means "size unknown".
 Progress = Callable[[str, int, int], None]
 
 
 class ChatEngine(Protocol):
-    """The slice of ``AsyncEngine`` the TUI uses; ``RemoteEngine`` offers the same.
+    """What the chat needs of an engine. ``LocalChatEngine`` (the engine in this process) and
+    ``RemoteEngine`` (an OpenAI-compatible server) provide it.
 
-    ``stats()`` returns an object with the ``EngineStats`` attributes (model, precision,
-    device, batch_size, kv_usage, ...); ``tokenizer`` may be None for a remote engine."""
+    Invariants: ``generate`` yields outputs whose last one has ``finished`` set, and closing
+    its iterator early aborts the request; ``stats`` is a cheap snapshot, safe to read from the
+    UI thread at any time; after ``shutdown`` the engine holds no model memory."""
 
     @property
-    def tokenizer(self) -> Any: ...
+    def tokenizer(self) -> Tokenizer | None:
+        """None when the engine tokenizes out of reach (a remote server)."""
 
-    def generate(self, prompt: Any, params: Any = None, request_id: str | None = None) -> AsyncIterator[Any]: ...
+    @property
+    def max_model_len(self) -> int | None:
+        """The most tokens one chat may hold, prompt and reply together; None if unknown."""
 
-    def stats(self) -> Any: ...
+    @property
+    def sampling_defaults(self) -> dict[str, float | int]:
+        """The model's own sampling settings (keys are ``SamplingParams`` fields), only those
+        the model sets; a new tab starts from these."""
+
+    @property
+    def served_models(self) -> list[str]:
+        """Models a switch can reach without a pull: a server's list; empty for the local engine."""
+
+    def generate(self, prompt: Prompt, params: SamplingParams | None = None,
+                 request_id: str | None = None) -> AsyncIterator[RequestOutput]: ...
+
+    def stats(self) -> EngineStats: ...
 
     def abort(self, request_id: str) -> None: ...
 
@@ -47,8 +75,65 @@ class ChatEngine(Protocol):
 EngineFactory = Callable[[str | None, Progress | None], ChatEngine]
 
 
+class LocalChatEngine:
+    """The in-process ``AsyncEngine`` as a ``ChatEngine``."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine: AsyncEngine | None = engine
+        llm = engine.engine
+        self.tokenizer: Tokenizer | None = llm.tokenizer
+        # The limit add_request enforces: the context, or the whole KV pool if that is smaller.
+        bm = llm.block_manager
+        self.max_model_len: int | None = min(llm.max_model_len, bm.num_blocks * bm.block_size)
+        # what the model asks for (generation_config.json, or models.toml for a GGUF file)
+        self.sampling_defaults: dict[str, float | int] = dict(llm.sampling_defaults)
+        self.served_models: list[str] = []
+        self._last_stats = engine.stats()
+
+    @property
+    def engine(self) -> AsyncEngine | None:
+        """The wrapped engine; None once shut down."""
+        return self._engine
+
+    def generate(self, prompt: Prompt, params: SamplingParams | None = None,
+                 request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        if self._engine is None:
+            from localllm.errors import LocalLLMError
+
+            raise LocalLLMError("the engine was shut down")
+        return self._engine.generate(prompt, params, request_id)
+
+    def stats(self) -> EngineStats:
+        if self._engine is not None:
+            self._last_stats = self._engine.stats()
+        return self._last_stats
+
+    def abort(self, request_id: str) -> None:
+        if self._engine is not None:
+            self._engine.abort(request_id)
+
+    def shutdown(self) -> None:
+        """Stops the engine thread and gives the model's memory back to the system: without
+        the collection and the trim, RSS stays at its peak after a model switch."""
+        engine, self._engine = self._engine, None
+        if engine is None:
+            return
+        engine.shutdown()
+        del engine
+        gc.collect()
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        if sys.platform.startswith("linux"):
+            try:
+                ctypes.CDLL("libc.so.6").malloc_trim(0)
+            except (OSError, AttributeError):  # not glibc (musl): the allocator keeps its own pace
+                pass
+
+
 # ---- config.toml ----
 
+# The last resort, below the model's own defaults and the config file's [chat] table.
 DEFAULT_PARAMS: dict[str, Any] = {
     "temperature": 0.7,
     "top_p": 0.95,
@@ -59,13 +144,17 @@ DEFAULT_PARAMS: dict[str, Any] = {
     "seed": None,
 }
 PARAM_KEYS = tuple(DEFAULT_PARAMS)
+PARAM_LABELS = {
+    "temperature": "Temperature", "top_p": "Top p", "top_k": "Top k (-1 off)", "min_p": "Min p",
+    "repetition_penalty": "Repetition penalty", "max_tokens": "Max tokens", "seed": "Seed",
+}
 
 
 @dataclass(slots=True)
 class ChatConfig:
     keymap: dict[str, str] = field(default_factory=dict)  # binding id -> keys, for App.set_keymap
     system_prompt: str = ""  # "" = the model's own default (its chat template decides)
-    params: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_PARAMS))
+    params: dict[str, Any] = field(default_factory=dict)  # only those [chat] sets
     model: str | None = None
     export_dir: Path | None = None
     problems: list[str] = field(default_factory=list)  # shown as notifications, never fatal
@@ -115,38 +204,84 @@ def _coerce_param(key: str, value: Any) -> Any:
     if key == "seed":
         if value is None or value == "":
             return None
-        return int(value)
+        return _int(value)
     if key in ("top_k", "max_tokens"):
-        if isinstance(value, bool):
-            raise ValueError(f"expected an integer, got {value!r}")
+        return _int(value)
+    if isinstance(value, bool):
+        raise ValueError(f"expected a number, got {value!r}")
+    try:
+        number = float(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"expected a number, got {value!r}") from None
+    if not math.isfinite(number):
+        raise ValueError(f"expected a finite number, got {value!r}")
+    return number
+
+
+def _int(value: Any) -> int:
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise ValueError(f"expected a whole number, got {value!r}")
+    try:
         return int(value)
-    return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"expected a whole number, got {value!r}") from None
 
 
-def parse_params(raw: dict[str, str]) -> dict[str, Any]:
-    """Form fields (strings) -> typed sampling parameters, validated by ``SamplingParams``.
-    Raises ValueError with a message fit for the user."""
+def base_params(model_defaults: dict[str, float | int], config_params: dict[str, Any]) -> dict[str, Any]:
+    """What a tab runs with before its own settings: the model's defaults over ours, the
+    config file over both."""
+    model = {k: v for k, v in model_defaults.items() if k in PARAM_KEYS}
+    return {**DEFAULT_PARAMS, **model, **config_params}
+
+
+def parse_params(raw: dict[str, str], base: dict[str, Any]) -> dict[str, Any]:
+    """Form fields (strings; empty = keep the default) -> the tab's own settings, checked
+    together with ``base`` by ``SamplingParams``. Raises ValueError with a one-line message
+    naming the field."""
     from localllm.errors import LocalLLMError
 
     out: dict[str, Any] = {}
     for key in PARAM_KEYS:
         text = raw.get(key, "").strip()
+        if not text:
+            continue
         try:
-            out[key] = _coerce_param(key, text) if text else DEFAULT_PARAMS[key]
-        except ValueError:
-            raise ValueError(f"{key}: {text!r} is not a number") from None
+            out[key] = _coerce_param(key, text)
+        except ValueError as e:
+            raise ValueError(f"{PARAM_LABELS[key]}: {e}") from None
     try:
-        sampling_params(out)
+        sampling_params({**base, **out})
     except LocalLLMError as e:
         raise ValueError(str(e)) from None
     return out
 
 
-def sampling_params(params: dict[str, Any]) -> Any:
+def sampling_params(params: dict[str, Any]) -> SamplingParams:
     from localllm.engine.sequence import SamplingParams
 
     known = {k: v for k, v in params.items() if k in SamplingParams.__dataclass_fields__}
     return SamplingParams(**known)
+
+
+# ---- the context window ----
+
+def estimate_tokens(text: str, tokenizer: Tokenizer | None) -> int:
+    """Tokens ``text`` takes as a chat message: exact with a tokenizer, else a generous
+    guess (3 characters a token; English averages about 4), plus the template's framing."""
+    framing = 8  # role markers and separators around a message (ChatML: 5)
+    if tokenizer is not None:
+        return len(tokenizer.encode(text, add_special_tokens=False)) + framing
+    return len(text) // 3 + 1 + framing
+
+
+def continuation_prompt(tokenizer: Tokenizer | None, messages: list[Message], partial: str) -> Prompt:
+    """The prompt that makes the model go on with ``partial``, a reply it left unfinished.
+    With a tokenizer: the chat template up to the reply, then the reply's own tokens. Without
+    (a server): the partial reply as the last message, which servers that support assistant
+    prefill (llama-server, vLLM with continue_final_message) continue."""
+    if tokenizer is not None:
+        return tokenizer.encode_chat(messages) + tokenizer.encode(partial, add_special_tokens=False)
+    return [*messages, {"role": "assistant", "content": partial}]
 
 
 # ---- models: what the palette offers ----
@@ -174,7 +309,7 @@ def probe_report(chats: int = 4) -> ProbeReport:
     from localllm import store
     from localllm.catalog import load_catalog
     from localllm.errors import LocalLLMError
-    from localllm.hardware.planner import DoesNotFit, fmt_bytes, plan, probe_hardware
+    from localllm.hardware.planner import DoesNotFit, plan, probe_hardware
 
     hw = probe_hardware()
     cpu = hw.cpu
@@ -245,13 +380,6 @@ def code_blocks(markdown: str) -> list[str]:
     return blocks
 
 
-def fmt_bytes(n: float) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
-
-
 _process: Any = None
 
 
@@ -270,13 +398,6 @@ def memory_label(device: str) -> str:
         return f"RAM {fmt_bytes(_process.memory_info().rss)}"
     except Exception:  # noqa: BLE001 - a status figure is never worth a crash
         return "RAM ?"
-
-
-PRECISION_LABELS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-
-
-def precision_label(precision: str) -> str:
-    return PRECISION_LABELS.get(precision, precision)
 
 
 def title_from(text: str, width: int = 24) -> str:

@@ -1,17 +1,20 @@
-"""Modal screens: rename, chat settings, history, confirm, the probe, and pulling a model."""
+"""Modal screens: rename, chat settings, history, confirm, key help, a full context, the
+probe, and pulling a model. They return their result with ``dismiss``; none knows the app."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from rich.table import Table
 from rich.text import Text
 from textual import on, work
 from textual.binding import Binding, BindingType
-from textual.containers import Horizontal, Vertical
+from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import (
     Button,
@@ -25,10 +28,11 @@ from textual.widgets import (
 )
 from textual.widgets.option_list import Option
 
+from localllm.hardware.planner import fmt_bytes
 from localllm.tui.backend import (
     PARAM_KEYS,
+    PARAM_LABELS,
     ProbeReport,
-    fmt_bytes,
     parse_params,
     probe_report,
 )
@@ -78,45 +82,53 @@ class ConfirmScreen(ModalScreen[bool]):
 
 
 class SettingsScreen(ModalScreen[tuple[str, dict[str, Any]] | None]):
-    """A tab's system prompt and sampling parameters; returns (system_prompt, params)."""
+    """A tab's system prompt and its own sampling settings; returns (system_prompt, params).
+
+    A field left empty keeps the default, shown greyed in it: the model's own, the config
+    file's, or localllm's. A value that is not valid keeps the dialog open and says why."""
 
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("escape", "dismiss(None)", "Cancel", id="modal.cancel"),
         Binding("ctrl+s", "save", "Save", id="modal.save", priority=True),
     ]
 
-    def __init__(self, system_prompt: str, params: dict[str, Any], title: str = "Chat settings") -> None:
+    def __init__(self, system_prompt: str, params: dict[str, Any], base: dict[str, Any],
+                 title: str = "Chat settings") -> None:
         super().__init__(classes="modal")
         self.system_prompt = system_prompt
         self.params = params
+        self.base = base
         self.dialog_title = title
 
     def compose(self) -> Any:
         with Vertical(classes="dialog wide"):
             yield Label(self.dialog_title, classes="dialog-title")
-            yield Label("System prompt (empty: the model's default)")
-            yield TextArea(self.system_prompt, id="system", soft_wrap=True, tab_behavior="focus")
-            with Horizontal(classes="params"):
-                for key in PARAM_KEYS:
-                    value = self.params.get(key)
-                    with Vertical(classes="param"):
-                        yield Label(key)
-                        yield Input("" if value is None else str(value), id=f"p-{key}", compact=True)
+            with VerticalScroll(classes="form"):
+                yield Label("System prompt (empty: the model's default)")
+                yield TextArea(self.system_prompt, id="system", soft_wrap=True, tab_behavior="focus")
+                with Grid(classes="params"):
+                    for key in PARAM_KEYS:
+                        value = self.params.get(key)
+                        default = self.base.get(key)
+                        yield Label(PARAM_LABELS[key], classes="param-label")
+                        yield Input("" if value is None else str(value), id=f"p-{key}", compact=True,
+                                    placeholder="random" if default is None else str(default))
             yield Label("", id="error", classes="error-text")
             with Horizontal(classes="buttons"):
-                yield Button("Save (ctrl+s)", id="save", variant="primary")
-                yield Button("Cancel (esc)", id="cancel")
+                yield Button("Save ^s", id="save", variant="primary", compact=True)
+                yield Button("Cancel esc", id="cancel", compact=True)
 
     def action_save(self) -> None:
         raw = {key: self.query_one(f"#p-{key}", Input).value for key in PARAM_KEYS}
         try:
-            params = parse_params(raw)
+            params = parse_params(raw, self.base)
         except ValueError as e:
             self.query_one("#error", Label).update(str(e))
             return
         self.dismiss((self.query_one("#system", TextArea).text, params))
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
+        event.stop()
         self.action_save()
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
@@ -124,6 +136,70 @@ class SettingsScreen(ModalScreen[tuple[str, dict[str, Any]] | None]):
             self.action_save()
         else:
             self.dismiss(None)
+
+
+class HelpScreen(ModalScreen[None]):
+    """Every key, by where it acts: ``sections`` are (title, [(keys, what)]), read from the
+    live bindings by whoever opens this, so a remapped key shows as remapped."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("escape,f1,q,question_mark", "dismiss(None)", "Close", id="modal.cancel"),
+    ]
+
+    def __init__(self, sections: list[tuple[str, list[tuple[str, str]]]]) -> None:
+        super().__init__(classes="modal")
+        self.sections = sections
+
+    def compose(self) -> Any:
+        with Vertical(classes="dialog wide tall"):
+            yield Label("Keys", classes="dialog-title")
+            with VerticalScroll(id="keys"):
+                for title, rows in self.sections:
+                    table = Table.grid(padding=(0, 2))
+                    table.add_column(no_wrap=True, style="bold")
+                    table.add_column()
+                    for keys, what in rows:
+                        table.add_row(keys, what)
+                    yield Label(title, classes="help-title")
+                    yield Static(table, classes="help-section")
+            yield Label("esc close · ctrl+p finds every command by name", classes="hint")
+
+
+class ContextFullScreen(ModalScreen[str | None]):
+    """The chat no longer fits the model's context: drop the oldest turns, or go on in a new
+    chat with the last turns or a summary. Returns "drop", "last", "summary" or None."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("escape", "dismiss(None)", "Cancel", id="modal.cancel"),
+        Binding("d", "dismiss('drop')", "Drop oldest", show=False),
+        Binding("l", "dismiss('last')", "Last turns", show=False),
+        Binding("s", "dismiss('summary')", "Summary", show=False),
+    ]
+
+    def __init__(self, need: int, limit: int, sending: bool = True) -> None:
+        super().__init__(classes="modal")
+        self.need = need
+        self.limit = limit
+        self.sending = sending
+
+    def compose(self) -> Any:
+        with Vertical(classes="dialog"):
+            yield Label("This chat is full" if self.need > self.limit or self.sending else "Make room",
+                        classes="dialog-title")
+            what = "With your message it needs" if self.sending else "It holds"
+            yield Static(f"{what} about {self.need:,} tokens; the model's context holds {self.limit:,}, "
+                         "and the reply needs room too. Nothing is deleted: choose how to go on.", classes="question")
+            yield OptionList(
+                Option(Text.assemble(("d", "bold"), "  Drop the oldest turns (kept on screen, not sent)"), id="drop"),
+                Option(Text.assemble(("l", "bold"), "  New chat with the last turns"), id="last"),
+                Option(Text.assemble(("s", "bold"), "  New chat starting from a summary of this one"), id="summary"),
+                id="choices",
+            )
+            yield Label("enter or the letter chooses · esc cancels" + (" (your message stays in the prompt)"
+                                                                        if self.sending else ""), classes="hint")
+
+    def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
+        self.dismiss(event.option.id)
 
 
 class HistoryScreen(ModalScreen[int | None]):
@@ -138,10 +214,14 @@ class HistoryScreen(ModalScreen[int | None]):
         Binding("ctrl+e", "export", "Export", id="history.export", priority=True),
     ]
 
-    def __init__(self, history: History, export_dir: Path | None = None) -> None:
+    def __init__(self, history: History, export_dir: Path | None = None,
+                 delete: Callable[[int], Awaitable[None]] | None = None) -> None:
+        """``delete`` removes a conversation everywhere (its open tab too); without it, from
+        the history only."""
         super().__init__(classes="modal")
         self.history = history
         self.export_dir = export_dir
+        self.delete = delete
 
     def compose(self) -> Any:
         with Vertical(classes="dialog wide tall"):
@@ -205,7 +285,10 @@ class HistoryScreen(ModalScreen[int | None]):
 
         async def done(yes: bool | None) -> None:
             if yes:
-                await self.app.delete_conversation(cid)  # type: ignore[attr-defined]
+                if self.delete is not None:
+                    await self.delete(cid)
+                else:
+                    self.history.delete_conversation(cid)
                 self.refresh_list(self.query_one("#search", Input).value)
 
         self.app.push_screen(ConfirmScreen(f"Delete “{conv.title if conv else cid}” from history?", "Delete"), done)

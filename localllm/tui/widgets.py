@@ -1,9 +1,12 @@
-"""The chat's building blocks: the prompt, the scrolling message list, one message, the status bar."""
+"""The chat's building blocks: the prompt, the scrolling message list, one message, code
+blocks, the status bar. None of them knows the app or the pane: they post messages."""
 
 from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from markdown_it import MarkdownIt
+from markdown_it.rules_core import StateCore
 from rich.text import Text
 from textual import events
 from textual.binding import Binding, BindingType
@@ -11,14 +14,17 @@ from textual.containers import Vertical, VerticalScroll
 from textual.message import Message
 from textual.widget import Widget
 from textual.widgets import Label, Markdown, Static, TextArea
-from textual.widgets.markdown import MarkdownFence, MarkdownStream
+from textual.widgets.markdown import MarkdownBlock, MarkdownFence, MarkdownStream
 
 NEAR_BOTTOM_ROWS = 2  # follow new text only when the view is this close to the end (oterm's rule)
 
 
 class PromptArea(TextArea):
     """Multi-line input. Enter sends; shift+enter or ctrl+j inserts a newline. Many terminals
-    send shift+enter as plain enter, so ctrl+j is the newline key that always arrives."""
+    send shift+enter as plain enter, so ctrl+j is the newline key that always arrives.
+
+    Up in an empty prompt recalls earlier prompts (``recall``, oldest first; the pane fills
+    it), and down walks back; "?" in an empty prompt asks for the key help."""
 
     # The keys are bindings (so a keymap can move them) but they run from _on_key, in order
     # with the text. A priority binding runs when the app *receives* a key, ahead of the keys
@@ -26,8 +32,13 @@ class PromptArea(TextArea):
     # later keys were inserted. Either way a fast burst (a paste, quick typing) got "abcd"
     # for "ab", ctrl+j, "cd", or sent only part of the text.
     BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("enter", "submit", "Send", id="chat.send"),
-        Binding("shift+enter,ctrl+j", "newline", "Newline", id="chat.newline", show=False),
+        Binding("enter", "submit", "Send", id="chat.send", show=False),
+        Binding("shift+enter,ctrl+j", "newline", "Newline", id="chat.newline", key_display="^j"),
+        Binding("up", "recall(-1)", "Earlier prompt", id="chat.recall_previous", show=False),
+        Binding("down", "recall(1)", "Later prompt", id="chat.recall_next", show=False),
+        # The app's help key again, here only so that the footer (which lists the focused
+        # widget's keys first) names it before it runs out of width.
+        Binding("f1", "app.help_screen", "Help", id="app.help"),
     ]
     _OWN_ACTIONS = ("submit", "newline")
 
@@ -37,15 +48,44 @@ class PromptArea(TextArea):
             self.prompt = prompt
             self.text = text
 
+    class HelpRequested(Message):
+        pass
+
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(soft_wrap=True, show_line_numbers=False, tab_behavior="focus", **kwargs)
+        self.recall: list[str] = []
+        self._recall_at: int | None = None  # index into recall while walking it
 
     async def _on_key(self, event: events.Key) -> None:
+        if event.character == "?" and not self.text:
+            event.stop()
+            event.prevent_default()
+            self.post_message(self.HelpRequested())
+            return
         active = self.screen.active_bindings.get(event.key)  # the keymap is applied here
         if active is not None and active.node is self and active.binding.action in self._OWN_ACTIONS:
             event.stop()
             event.prevent_default()  # skips TextArea._on_key, which would insert a newline
             await self.run_action(active.binding.action)
+
+    def action_recall(self, step: int) -> None:
+        # Only from an empty prompt, or one still showing a recalled prompt: anywhere else up
+        # and down move the cursor, as they do in any text area (this binding replaced those).
+        showing = self._recall_at is not None and self.text == self.recall[self._recall_at]
+        if not self.recall or (self.text and not showing):
+            if step < 0:
+                self.action_cursor_up()
+            else:
+                self.action_cursor_down()
+            return
+        at = (self._recall_at if showing and self._recall_at is not None else len(self.recall)) + step
+        if at >= len(self.recall):
+            self._recall_at = None
+            self.text = ""
+            return
+        self._recall_at = max(0, at)
+        self.text = self.recall[self._recall_at]
+        self.move_cursor(self.document.end)
 
     def action_submit(self) -> None:
         """Hands the text over and clears the prompt now, so keys typed after the send start
@@ -53,6 +93,7 @@ class PromptArea(TextArea):
         text = self.text
         if not text.strip():
             return
+        self._recall_at = None
         self.clear()
         self.post_message(self.Submitted(self, text))
 
@@ -99,10 +140,72 @@ class MessageList(VerticalScroll):
             self.scroll_end(animate=False, immediate=True)
 
 
+class CodeFence(MarkdownFence):
+    """A code block under a header naming its language; a click anywhere on it (the header
+    says so) copies the code."""
+
+    def compose(self) -> Any:
+        yield Label(self._header(), classes="fence-header")
+        yield from super().compose()
+
+    def _header(self) -> Text:
+        return Text.assemble((self.lexer or "code", "bold"), ("  ⧉ click to copy", "dim"))
+
+    async def _update_from_block(self, block: MarkdownBlock) -> None:
+        await super()._update_from_block(block)
+        if self.is_mounted and self.children:
+            self.query_one(".fence-header", Label).update(self._header())
+
+
+def _hard_breaks(state: StateCore) -> None:
+    # A single newline is a line break, as chat models mean it (poems, addresses, line-broken
+    # lists); CommonMark joins such lines into one. markdown-it's own "breaks" option only
+    # changes its HTML renderer, so the tokens are changed here, before Textual reads them.
+    for token in state.tokens:
+        for child in token.children or ():
+            if child.type == "softbreak":
+                child.type = "hardbreak"
+
+
+def _parser() -> MarkdownIt:
+    md = MarkdownIt("gfm-like")
+    md.core.ruler.push("hard_breaks", _hard_breaks)
+    return md
+
+
+class ChatMarkdown(Markdown):
+    BLOCKS = {**Markdown.BLOCKS, "fence": CodeFence, "code_block": CodeFence}
+
+    def __init__(self, markdown: str | None = None, **kwargs: Any) -> None:
+        super().__init__(markdown, parser_factory=_parser, **kwargs)
+
+
+FINISH_LABELS = {
+    "abort": "stopped", "length": "cut at max tokens", "error": "failed",
+    "interrupted": "interrupted: ctrl+g goes on, ctrl+r regenerates",
+}
+ROLE_NAMES = {"user": "You", "assistant": "Assistant", "error": "Error", "note": "Note", "system": "System prompt"}
+
+
 class MessageView(Vertical):
-    """One message. Assistant replies are Markdown (streamed, then rendered once in full);
-    user messages are plain text, so their asterisks and underscores stay as typed.
-    A click copies the message, or just the code block under the pointer."""
+    """One message. Assistant replies and notes are Markdown (streamed, then rendered once in
+    full); user messages are plain text, so their asterisks and underscores stay as typed.
+
+    User and assistant messages take focus (shift+tab or alt+up from the prompt), and then
+    their keys act on them: the view posts ``Act`` and the pane does the work. A click
+    copies the message, or just the code block under the pointer."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("up", "act('previous')", "Previous", id="message.previous", show=False),
+        Binding("down", "act('next')", "Next", id="message.next", show=False),
+        Binding("e", "act('edit')", "Edit", id="message.edit"),
+        Binding("r", "act('regenerate')", "Regenerate", id="message.regenerate"),
+        Binding("left", "act('branch', -1)", "Branch", id="message.branch_previous", key_display="←"),
+        Binding("right", "act('branch', 1)", "Branch", id="message.branch_next", key_display="→"),
+        Binding("c", "act('copy')", "Copy", id="message.copy"),
+        Binding("k", "act('copy_code')", "Copy code", id="message.copy_code"),
+        Binding("escape", "act('leave')", "Back to prompt", id="message.leave"),
+    ]
 
     class CopyRequested(Message):
         def __init__(self, text: str, what: str) -> None:
@@ -110,9 +213,19 @@ class MessageView(Vertical):
             self.text = text
             self.what = what
 
+    class Act(Message):
+        """A key pressed on a focused message: previous, next, edit, regenerate, branch (with
+        ``step``), copy, copy_code or leave."""
+
+        def __init__(self, view: MessageView, what: str, step: int = 0) -> None:
+            super().__init__()
+            self.view = view
+            self.what = what
+            self.step = step
+
     def __init__(
         self, role: str, content: str, *, finish_reason: str | None = None, meta: dict[str, Any] | None = None,
-        message_id: int | None = None,
+        message_id: int | None = None, branch: tuple[int, int] = (0, 1),
     ) -> None:
         super().__init__(classes=f"message {role}")
         self.role = role
@@ -120,40 +233,64 @@ class MessageView(Vertical):
         self.finish_reason = finish_reason
         self.meta = dict(meta or {})
         self.message_id = message_id
+        self.branch = branch  # (index, count) among the alternatives at this point
+        self.can_focus = role in ("user", "assistant")
         self._stream: MarkdownStream | None = None
         self.streaming = False
 
     def compose(self) -> Any:
         yield Label(self._header(), classes="header")
-        if self.role == "assistant":
-            yield Markdown(self.content, classes="body")
+        if self.role in ("assistant", "note"):
+            yield ChatMarkdown(self.content, classes="body")
+        elif self.role == "system":
+            text = Text(self.content) if self.content.strip() else Text("the model's default", style="dim italic")
+            yield Static(text, classes="body")
         else:
             yield Static(Text(self.content), classes="body")
 
     def _header(self) -> Text:
-        names = {"user": "You", "assistant": "Assistant", "error": "Error", "note": "Note"}
-        header = Text(names.get(self.role, self.role), style="bold")
+        header = Text(ROLE_NAMES.get(self.role, self.role), style="bold")
         bits = []
         if self.role == "assistant":
-            if self.finish_reason == "abort":
-                bits.append("stopped")
-            elif self.finish_reason == "length":
-                bits.append("cut at max tokens")
-            elif self.finish_reason == "error":
-                bits.append("failed")
+            if self.finish_reason == "length" and self.meta.get("context_limit"):
+                bits.append("cut at the context limit")
+            elif self.finish_reason in FINISH_LABELS:
+                bits.append(FINISH_LABELS[self.finish_reason])
             elif self.finish_reason is None and self.streaming:
                 bits.append("…")
             if self.meta.get("tok_s"):
                 bits.append(f"{self.meta['tok_s']:.1f} tok/s")
             if self.meta.get("cached_tokens"):
                 bits.append(f"{self.meta['cached_tokens']} cached")
+        if self.role in ("user", "assistant") and self.meta.get("tokens"):
+            bits.append(f"{self.meta['tokens']} tok")
+        if self.branch[1] > 1:
+            bits.append(f"‹ {self.branch[0] + 1}/{self.branch[1]} ›")
+        if self.role == "system":
+            bits.append("ctrl+s changes it")
         if bits:
             header.append("  " + " · ".join(bits), style="dim")
         return header
 
     @property
     def markdown(self) -> Markdown:
-        return self.query_one(Markdown)
+        return self.query_one(ChatMarkdown)
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "act" and parameters:
+            what = parameters[0]
+            if what == "edit":
+                return self.role == "user"
+            if what == "regenerate":
+                return self.role == "assistant"
+            if what == "copy_code":
+                return self.role == "assistant"
+            if what == "branch":
+                return self.branch[1] > 1
+        return True
+
+    def action_act(self, what: str, step: int = 0) -> None:
+        self.post_message(self.Act(self, what, step))
 
     def begin(self) -> None:
         self.streaming = True
@@ -170,6 +307,10 @@ class MessageView(Vertical):
         if self.is_mounted:
             self.query_one(".header", Label).update(self._header())
 
+    def set_branch(self, branch: tuple[int, int]) -> None:
+        self.branch = branch
+        self.refresh_header()
+
     async def finish(self, content: str, finish_reason: str | None, meta: dict[str, Any] | None = None) -> None:
         """Stops the stream and renders the whole reply once: appends can leave a code fence
         or a list half-parsed, a full render cannot."""
@@ -181,9 +322,21 @@ class MessageView(Vertical):
         stream, self._stream = self._stream, None
         if stream is not None:
             await stream.stop()
-        if self.role == "assistant":
+        if self.role in ("assistant", "note"):
             await self.markdown.update(content)
         self.refresh_header()
+
+    async def set_content(self, content: str) -> None:
+        """Replaces the text of a message that is not streaming (the system prompt after a
+        settings change)."""
+        self.content = content
+        if self.role in ("assistant", "note"):
+            await self.markdown.update(content)
+        elif self.role == "system":
+            text = Text(content) if content.strip() else Text("the model's default", style="dim italic")
+            self.query_one(".body", Static).update(text)
+        else:
+            self.query_one(".body", Static).update(Text(content))
 
     def on_click(self, event: events.Click) -> None:
         node: Widget | None = event.widget
@@ -192,11 +345,12 @@ class MessageView(Vertical):
                 self.post_message(self.CopyRequested(node.code, "code block"))
                 return
             node = node.parent if isinstance(node.parent, Widget) else None
-        self.post_message(self.CopyRequested(self.content, "message"))
+        if self.role != "system":
+            self.post_message(self.CopyRequested(self.content, "message"))
 
 
 class StatusBar(Widget):
-    """One line: model, precision and device, then this tab's speed and the engine's state.
+    """One line: model, precision and device, then this tab's speed, context and the engine's state.
 
     Repainted a few times a second, so it never asks for a layout pass (``Static.update``
     would, and a layout of the whole screen costs tens of milliseconds on a long chat)."""

@@ -20,8 +20,10 @@ VOCAB = 49152  # reuses the default model's tokenizer
 
 def write_random_model(out: Path, arch: str, tokenizer_src: Path, *, heads: int = 4, kv_heads: int = 2,
                        head_dim: int = 16, hidden: int = 64, layers: int = 2, tied: bool = True,
-                       rope_scaling: dict | None = None, seed: int = 0, vocab: int = VOCAB) -> Path:
-    """``vocab`` above the tokenizer's pads the embedding, as many checkpoints do."""
+                       rope_scaling: dict | None = None, seed: int = 0, vocab: int = VOCAB,
+                       config: dict | None = None) -> Path:
+    """``vocab`` above the tokenizer's pads the embedding, as many checkpoints do. ``config``
+    replaces keys of the written config.json (None values delete them)."""
     g = torch.Generator().manual_seed(seed)
     inter = 96
     qkv_bias = arch == "Qwen2ForCausalLM"
@@ -31,6 +33,11 @@ def write_random_model(out: Path, arch: str, tokenizer_src: Path, *, heads: int 
         "head_dim": head_dim, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 512,
         "tie_word_embeddings": tied, "rope_scaling": rope_scaling,
     }
+    for key, value in (config or {}).items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
     def rand(*shape: int, scale: float = 0.08) -> torch.Tensor:
         return torch.randn(*shape, generator=g) * scale
 

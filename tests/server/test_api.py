@@ -39,7 +39,7 @@ def test_models_and_health(served: Served, client: openai.OpenAI) -> None:
 def test_models_reports_the_context_and_the_sampling_defaults(served: Served) -> None:
     entry = httpx.get(f"{served.base}/models").json()["data"][0]
     assert entry["max_model_len"] == MAX_MODEL_LEN
-    assert entry["sampling_defaults"] == served.engine.sampling_defaults == {"temperature": 0.1, "top_p": 0.8}
+    assert entry["sampling_defaults"] == served.engine.sampling_defaults == {"temperature": 0.2, "top_p": 0.5}
 
 
 def test_omitted_sampling_fields_take_the_models_defaults(client: openai.OpenAI) -> None:
@@ -47,9 +47,9 @@ def test_omitted_sampling_fields_take_the_models_defaults(client: openai.OpenAI)
         r = client.chat.completions.create(model="any", messages=QUESTION, max_tokens=16, n=4, seed=1234, **kw)
         return [c.message.content for c in r.choices]
 
-    # the default model's temperature 0.1 / top_p 0.8 keep every seeded choice on the answer ...
+    # the default model's temperature 0.2 / top_p 0.5 keep every seeded choice on the answer ...
     assert replies() == ["The capital of France is Paris."] * 4
-    assert replies(temperature=0.1) == replies(top_p=0.8) == replies()
+    assert replies(temperature=0.2) == replies(top_p=0.5) == replies()
     # ... which OpenAI's own defaults (temperature 1, top_p 1) do not: the same seeds scatter
     assert len(set(replies(temperature=1.0, top_p=1.0))) > 1
 

@@ -38,7 +38,7 @@ def test_normalize_endpoint() -> None:
 async def test_remote_chat_matches_the_local_engine(served: Served) -> None:
     remote = RemoteEngine(served.base)
     assert remote.tokenizer is None and remote.max_model_len == MAX_MODEL_LEN
-    assert remote.sampling_defaults == served.engine.sampling_defaults == {"temperature": 0.1, "top_p": 0.8}
+    assert remote.sampling_defaults == served.engine.sampling_defaults == {"temperature": 0.2, "top_p": 0.5}
     local = [o async for o in served.engine.generate(QUESTION, GREEDY)]
     outs = await _collect(remote, QUESTION, GREEDY)  # second: the system prompt is cached by now
     final = outs[-1]

@@ -75,3 +75,32 @@ def test_serve_bad_port_fails_fast_on_one_line(port: str) -> None:
     assert r.stderr.startswith("localllm: error: cannot listen") or "--port" in r.stderr
     assert r.stderr.count("\n") == 1
     assert time.monotonic() - started < 30  # no model load before the bind
+
+
+@pytest.mark.parametrize(("args", "env", "words"), [
+    (["--api-key", ""], {}, "--api-key is empty"),
+    (["--api-key", "   "], {}, "--api-key is empty"),
+    ([], {"LOCALLLM_API_KEY": ""}, "LOCALLLM_API_KEY is empty"),
+    (["--api-key", "two words here"], {}, "without spaces"),
+    (["--max-waiting", "-1"], {}, "--max-waiting -1"),
+    (["--request-timeout", "nan"], {}, "--request-timeout nan"),
+    (["--request-timeout", "-5"], {}, "--request-timeout -5"),
+])
+def test_bad_serve_settings_fail_fast_on_one_line(args: list[str], env: dict[str, str], words: str) -> None:
+    """An empty key used to turn authentication off without a word."""
+    base = {k: v for k, v in os.environ.items() if k != "LOCALLLM_API_KEY"}
+    r = subprocess.run([*SERVE, "--port", "0", *args], check=False, capture_output=True, text=True, timeout=60,
+                       env={**base, **env})
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("localllm: error:") and r.stderr.count("\n") == 1 and words in r.stderr, r.stderr
+
+
+def test_a_short_api_key_gets_a_warning() -> None:
+    with socket.socket() as s:  # a busy port ends the run right after the key is read
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        r = subprocess.run([*SERVE, "--port", str(s.getsockname()[1]), "--api-key", "abc"], check=False,
+                           capture_output=True, text=True, timeout=60)
+    lines = r.stderr.splitlines()
+    assert lines[0] == "localllm: warning: --api-key is 3 characters long; a key under 8 is easy to guess"
+    assert r.returncode == 2 and lines[1].startswith("localllm: error: cannot listen")

@@ -8,12 +8,11 @@ from pathlib import Path
 
 from textual import events
 from textual.widgets import Input, TextArea
-from textual.widgets.markdown import MarkdownFence
 
 from localllm.history import History
 from localllm.tui.app import ChatApp
 from localllm.tui.screens import ConfirmScreen, HistoryScreen, SettingsScreen
-from localllm.tui.widgets import MessageView
+from localllm.tui.widgets import CodeFence, MessageView
 from tests.tui.conftest import send, wait_until
 from tests.tui.fakes import FakeEngine
 
@@ -22,6 +21,10 @@ SIZE = (100, 30)
 
 def _db(home: Path) -> History:
     return History(home / "data" / "history.sqlite3")
+
+
+def _db_of(app: ChatApp) -> History:
+    return app.history
 
 
 async def test_enter_sends_and_ctrl_j_or_shift_enter_insert_newlines() -> None:
@@ -110,45 +113,39 @@ async def test_rename_tab_is_saved(home: Path) -> None:
     assert _db(home).get_conversation(chat.conversation.id).title == "Renamed"
 
 
-async def test_regenerate_and_edit_last_message(home: Path) -> None:
-    engine = FakeEngine()
-    engine.replies = ["first answer", "second answer", "third answer"]
-    app = ChatApp(engine, probe=False)
-    async with app.run_test(size=SIZE) as pilot:
-        chat = app.active_chat
-        await send(pilot, chat, "question")
-        await wait_until(pilot, lambda: not chat.generating)
-        await pilot.press("ctrl+r")
-        await wait_until(pilot, lambda: not chat.generating and chat.turns[-1].content == "second answer")
-        assert [t.content for t in chat.turns] == ["question", "second answer"]
-        await pilot.press("alt+e")
-        await wait_until(pilot, lambda: not chat.turns)
-        assert chat.prompt.text == "question"
-        assert not chat.messages.query(MessageView)
-        await pilot.press("!", "enter")
-        await wait_until(pilot, lambda: not chat.generating and len(chat.turns) == 2)
-        assert [t.content for t in chat.turns] == ["question!", "third answer"]
-    stored = _db(home).messages(chat.conversation.id)
-    assert [m.content for m in stored] == ["question!", "third answer"]
-
-
-async def test_copy_reply_and_code_block() -> None:
-    reply = "Here:\n\n```python\nprint('hi')\n```\n\nDone."
+async def test_copy_reply_and_any_code_block() -> None:
+    reply = "Here:\n\n```python\nprint('hi')\n```\n\nAnd in shell:\n\n```bash\necho hi\n```\n\nDone."
     app = ChatApp(FakeEngine(reply), probe=False)
-    async with app.run_test(size=SIZE) as pilot:
+    async with app.run_test(size=(100, 40)) as pilot:
         chat = app.active_chat
         await send(pilot, chat, "code please")
         await wait_until(pilot, lambda: not chat.generating)
         await pilot.press("alt+c")
         assert app.clipboard == reply
         await pilot.press("alt+k")
-        assert app.clipboard == "print('hi')"
+        assert app.clipboard == "echo hi"  # the last block
+        fences = list(chat.query(CodeFence))
+        await wait_until(pilot, lambda: len(list(chat.query(CodeFence))) == 2, what="both code blocks")
+        fences = list(chat.query(CodeFence))
+        # Each block is labelled with its language and says how to copy it.
+        headers = [str(f.query_one(".fence-header").render()) for f in fences]
+        assert headers[0].startswith("python") and headers[1].startswith("bash") and "copy" in headers[0]
         app.copy_to_clipboard("")
         await pilot.pause()
-        await pilot.click(MarkdownFence)
-        assert app.clipboard == "print('hi')"
-        await pilot.click(MessageView, offset=(4, 0))  # the first message's header: the whole message
+        await pilot.click(fences[0].query_one(".fence-header"))
+        assert app.clipboard == "print('hi')"  # the first block, not only the last
+        await pilot.click(fences[1])
+        assert app.clipboard == "echo hi"
+        await pilot.click(MessageView, offset=(4, 0))  # the system prompt's header: no copy
+        await pilot.click(chat.views[0], offset=(4, 0))  # the first message's header: the whole message
         assert app.clipboard == "code please"
+        # The palette offers every block of the last reply.
+        await pilot.press("ctrl+p")
+        await pilot.pause()
+        await pilot.press(*"copy code block 1")
+        await pilot.pause(0.3)
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: app.clipboard == "print('hi')", what="the palette's copy")
 
 
 async def test_tabs_stream_together_and_a_hidden_tab_catches_up() -> None:
@@ -182,7 +179,8 @@ async def test_an_engine_error_is_shown_in_its_tab_only() -> None:
         await send(pilot, bad, "BOOM")
         await wait_until(pilot, lambda: not bad.generating and not good.generating)
         assert "engine step failed: BOOM" in bad.messages.query(".error").first().content
-        assert [t.role for t in bad.turns] == ["user"]
+        assert [t.role for t in bad.turns] == ["user"]  # no empty reply is kept
+        assert [m.role for m in _db_of(app).messages(bad.conversation.id)] == ["user"]
         assert good.turns[-1].content == engine.reply and not good.messages.query(".error")
 
 
@@ -194,23 +192,72 @@ async def test_settings_change_this_tab_only(home: Path) -> None:
         await pilot.press("ctrl+s")
         await wait_until(pilot, lambda: isinstance(app.screen, SettingsScreen))
         app.screen.query_one("#system", TextArea).text = "Answer in French."
-        app.screen.query_one("#p-temperature", Input).value = "nope"
-        await pilot.press("ctrl+s")
-        await pilot.pause()
-        assert isinstance(app.screen, SettingsScreen)  # a bad value keeps the dialog open
-        assert "temperature" in str(app.screen.query_one("#error").render())
         app.screen.query_one("#p-temperature", Input).value = "0.2"
         await pilot.press("ctrl+s")
         await wait_until(pilot, lambda: not isinstance(app.screen, SettingsScreen))
-        assert chat.params["temperature"] == 0.2 and chat.system_prompt == "Answer in French."
+        assert chat.effective_params()["temperature"] == 0.2 and chat.system_prompt == "Answer in French."
+        # The system prompt is shown at the top of the chat it applies to.
+        system_view = chat.messages.query(MessageView).first()
+        assert system_view.role == "system" and "Answer in French." in str(system_view.query_one(".body").render())
         await send(pilot, chat, "hello")
         await wait_until(pilot, lambda: not chat.generating)
         assert engine.prompts[-1][0] == {"role": "system", "content": "Answer in French."}
+        assert engine.params[-1].temperature == 0.2
         await pilot.press("ctrl+t")
         await pilot.pause()
-        assert app.active_chat.system_prompt == "" and app.active_chat.params["temperature"] == 0.7
+        other = app.active_chat
+        assert other.system_prompt == "" and other.effective_params()["temperature"] == 0.7
     conv = _db(home).get_conversation(chat.conversation.id)
     assert conv.system_prompt == "Answer in French." and conv.params["temperature"] == 0.2
+
+
+async def test_invalid_settings_typed_as_keys_keep_the_dialog_open() -> None:
+    app = ChatApp(FakeEngine("ok"), probe=False)
+    async with app.run_test(size=(80, 24)) as pilot:
+        chat = app.active_chat
+        for submit in (("ctrl+s",), ("enter",)):
+            await pilot.press("ctrl+s")
+            await wait_until(pilot, lambda: isinstance(app.screen, SettingsScreen))
+            field = app.screen.query_one("#p-temperature", Input)
+            field.focus()
+            await pilot.press(*"abc", *submit)
+            await pilot.pause()
+            assert isinstance(app.screen, SettingsScreen), f"{submit} saved an invalid temperature"
+            error = str(app.screen.query_one("#error").render())
+            assert "Temperature" in error and "'abc'" in error
+            await pilot.press("escape")
+            await wait_until(pilot, lambda: not isinstance(app.screen, SettingsScreen))
+        for bad, says in (("-1", "temperature must be >= 0"), ("inf", "finite"), ("5.5", None)):
+            await pilot.press("ctrl+s")
+            await wait_until(pilot, lambda: isinstance(app.screen, SettingsScreen))
+            key = "max_tokens" if bad == "5.5" else "temperature"
+            app.screen.query_one(f"#p-{key}", Input).value = bad
+            await pilot.click("#save")
+            await pilot.pause()
+            assert isinstance(app.screen, SettingsScreen), f"{key}={bad} was saved"
+            assert (says or "whole number") in str(app.screen.query_one("#error").render())
+            await pilot.press("escape")
+            await wait_until(pilot, lambda: not isinstance(app.screen, SettingsScreen))
+        assert chat.params == {} and chat.effective_params()["temperature"] == 0.7
+
+
+async def test_new_tabs_start_from_the_models_sampling_defaults(home: Path) -> None:
+    (home / "config.toml").write_text("[chat]\nmax_tokens = 300\n")
+    engine = FakeEngine("ok", sampling_defaults={"temperature": 0.2, "top_p": 0.9, "max_tokens": 999})
+    app = ChatApp(engine, probe=False)
+    async with app.run_test(size=SIZE) as pilot:
+        chat = app.active_chat
+        params = chat.effective_params()
+        # The model's own settings over ours; the config file over the model's.
+        assert params["temperature"] == 0.2 and params["top_p"] == 0.9 and params["max_tokens"] == 300
+        await pilot.press("ctrl+s")
+        await wait_until(pilot, lambda: isinstance(app.screen, SettingsScreen))
+        field = app.screen.query_one("#p-temperature", Input)
+        assert field.value == "" and field.placeholder == "0.2"  # empty: the default, shown greyed
+        await pilot.press("escape")
+        await send(pilot, chat, "hi")
+        await wait_until(pilot, lambda: not chat.generating)
+        assert engine.params[-1].temperature == 0.2 and engine.params[-1].max_tokens == 300
 
 
 async def test_history_screen_searches_and_reopens(home: Path) -> None:
@@ -269,21 +316,27 @@ async def test_model_loads_in_the_background_and_switches() -> None:
         gate.set()
 
 
-async def test_a_model_that_fails_to_load_leaves_the_app_usable() -> None:
-    def factory(model, progress):
-        raise RuntimeError("out of memory")
+async def test_a_model_that_fails_to_load_leaves_the_app_usable_and_exits_2() -> None:
+    from localllm.errors import LocalLLMError
 
-    app = ChatApp(engine_factory=factory, probe=False)
+    def factory(model, progress):
+        raise LocalLLMError(f"{model}: no such file or folder")
+
+    app = ChatApp(engine_factory=factory, model="/nonexistent", probe=False)
     async with app.run_test(size=SIZE) as pilot:
         await wait_until(pilot, lambda: app.engine_error is not None)
-        assert "out of memory" in app.status_text().plain
+        assert "no such file" in app.status_text().plain
         chat = app.active_chat
+        await wait_until(pilot, lambda: chat.messages.query(".error"), what="the error in the chat")
+        assert "Pull model" in chat.messages.query(".error").last().content  # local: pulling is the way out
         await send(pilot, chat, "hello?")
         await wait_until(pilot, lambda: not chat.generating)
-        assert "out of memory" in chat.messages.query(".error").last().content
+        assert "no such file" in chat.messages.query(".error").last().content
         await pilot.press("ctrl+t")
         await pilot.pause()
         assert len(app.chats()) == 2  # still alive
+        await pilot.press("ctrl+q")
+    assert app.return_code == 2  # bad input: 2, as everywhere else in the CLI
 
 
 async def test_first_run_offers_to_pull_the_default_model() -> None:

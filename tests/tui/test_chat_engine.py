@@ -1,17 +1,21 @@
-"""The chat app against the real engine on the default model (fp32, loaded once for the module).
+"""The chat app against the real engine on the default model (fp32, loaded once for the module),
+and against that engine behind a real ``localllm serve`` app (remote mode).
 
 Replies are short and greedy, so the module stays well under a minute of generation."""
 
 from __future__ import annotations
 
+import gc
 import re
 import time
+import weakref
 from pathlib import Path
 
 import pytest
 
 from localllm.history import History
 from localllm.tui.app import ChatApp
+from localllm.tui.backend import LocalChatEngine
 from tests.tui.conftest import send, wait_until
 
 SIZE = (100, 30)
@@ -27,14 +31,15 @@ def engine(default_model_path: Path):
 
     # A small KV pool: plenty for these chats, and a cheap allocation.
     llm = LLMEngine(EngineConfig(model=str(default_model_path), dtype="float32", device="cpu", num_kv_blocks=256))
-    eng = AsyncEngine(llm)
+    eng = LocalChatEngine(AsyncEngine(llm))
     yield eng
     eng.shutdown()
 
 
-def _all_blocks_free(engine) -> bool:
-    bm = engine.engine.block_manager
-    return not engine.engine.requests and bm.num_free_blocks == bm.num_blocks
+def _all_blocks_free(engine: LocalChatEngine) -> bool:
+    llm = engine.engine.engine
+    bm = llm.block_manager
+    return not llm.requests and bm.num_free_blocks == bm.num_blocks
 
 
 async def test_two_tabs_stream_at_once_in_one_batch(engine):
@@ -52,7 +57,7 @@ async def test_two_tabs_stream_at_once_in_one_batch(engine):
         second.prompt.text = "Tell me a story about a dog."
         first.prompt.action_submit()
         second.prompt.action_submit()
-        await wait_until(pilot, lambda: len(first.turns) == len(second.turns) == 1, what="both messages sent")
+        await wait_until(pilot, lambda: first.turns and second.turns, what="both messages sent")
 
         batch_seen, status_batch_2 = 0, False
         deadline = time.monotonic() + 90
@@ -96,7 +101,7 @@ async def test_closing_a_tab_aborts_its_request_and_frees_its_blocks(engine, hom
         chat = app.active_chat
         await send(pilot, chat, "Write a long poem about the sea.")
         await wait_until(pilot, lambda: chat.reply is not None and chat.reply.text, what="the reply to stream")
-        assert engine.engine.requests
+        assert engine.engine.engine.requests
         await pilot.press("ctrl+w")
         await wait_until(pilot, lambda: chat not in app.chats(), timeout=10, what="the tab to close")
         await wait_until(pilot, lambda: _all_blocks_free(engine), timeout=10, what="the KV blocks to be freed")
@@ -128,7 +133,7 @@ async def test_history_survives_a_restart_and_the_second_turn_hits_the_prefix_ca
         again = chats[0]
         assert again.title == title
         assert [(t.role, t.content) for t in again.turns] == before
-        shown = [v.content for v in again.messages.children]
+        shown = [v.content for v in again.views]
         assert shown == [c for _, c in before]
 
 
@@ -136,10 +141,12 @@ async def test_an_error_stays_in_its_tab(engine):
     app = ChatApp(engine, probe=False, default_params=SHORT)
     async with app.run_test(size=SIZE) as pilot:
         broken = app.active_chat
-        await send(pilot, broken, "word " * 5000)  # longer than the context
-        await wait_until(pilot, lambda: not broken.generating, what="the error")
+        broken.prompt.text = "word " * 5000  # longer than the context
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: broken.messages.query(".error"), what="the error")
         errors = broken.messages.query(".error")
-        assert errors and "context limit" in errors.first().content
+        assert "context limit of 4,096" in errors.first().content and "shorten it" in errors.first().content
+        assert not broken.turns and broken.prompt.text.startswith("word word")  # nothing sent, nothing lost
         await pilot.press("ctrl+t")
         await wait_until(pilot, lambda: len(app.chats()) == 2)
         fine = app.active_chat
@@ -157,8 +164,8 @@ async def test_a_gguf_without_chat_template_is_noted_and_still_chats(tmp_path: P
     path = write_llama_gguf(tmp_path / "plain.gguf", *vocab, random_llama_weights(len(vocab[0])))[0]
 
     def factory(model, progress):
-        return AsyncEngine(LLMEngine(EngineConfig(model=str(path), dtype="float32", device="cpu", max_model_len=128),
-                                     progress=progress))
+        return LocalChatEngine(AsyncEngine(LLMEngine(
+            EngineConfig(model=str(path), dtype="float32", device="cpu", max_model_len=128), progress=progress)))
 
     app = ChatApp(engine_factory=factory, probe=False, default_params=SHORT)
     async with app.run_test(size=SIZE) as pilot:
@@ -168,3 +175,99 @@ async def test_a_gguf_without_chat_template_is_noted_and_still_chats(tmp_path: P
         await send(pilot, chat, "Hi!")
         await wait_until(pilot, lambda: not chat.generating, what="the reply")
         assert chat.turns[-1].role == "assistant" and not chat.messages.query(".error")
+async def test_continuing_an_interrupted_reply_goes_on_from_its_tokens(engine, home):
+    """A reply a crash cut short: the model is given the chat and the partial reply's own
+    tokens, and its continuation is appended to the same message."""
+    h = History(home / "data" / "history.sqlite3")
+    c = h.create_conversation("Interrupted", tab_position=0)
+    h.add_message(c.id, "user", "What is the capital of France?")
+    partial = h.add_message(c.id, "assistant", "The capital of France")  # finish_reason NULL: was streaming
+    h.close()
+    app = ChatApp(engine, probe=False, default_params=SHORT)
+    async with app.run_test(size=SIZE) as pilot:
+        chat = app.active_chat
+        assert chat.turns[-1].finish_reason == "interrupted"
+        await pilot.press("ctrl+g")
+        await wait_until(pilot, lambda: not chat.generating, what="the continuation")
+        reply = chat.turns[-1]
+        assert reply.message_id == partial.id and reply.finish_reason == "stop"
+        assert reply.content == "The capital of France is Paris."  # greedy, as if never cut
+    assert [m.content for m in History(home / "data" / "history.sqlite3").messages(c.id)][-1] == reply.content
+
+
+async def test_a_model_switch_frees_the_old_model(default_model_path):
+    """Even when the switch stops a reply mid-stream (the case that kept the old model)."""
+    from localllm.engine.async_engine import AsyncEngine
+    from localllm.engine.engine import EngineConfig, LLMEngine
+
+    built: list[weakref.ref] = []
+
+    def factory(model, progress):
+        llm = LLMEngine(EngineConfig(model=str(default_model_path), dtype="float32", device="cpu",
+                                     num_kv_blocks=64), progress=progress)
+        built.append(weakref.ref(llm))
+        return LocalChatEngine(AsyncEngine(llm))
+
+    app = ChatApp(engine_factory=factory, probe=False, default_params=LONG)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: app.engine is not None, timeout=120, what="the first load")
+        chat = app.active_chat
+        await send(pilot, chat, "Count from one to one hundred.")
+        await wait_until(pilot, lambda: chat.reply is not None and len(chat.reply.text) > 5, what="some text")
+        await app.switch_model(None)
+        await wait_until(pilot, lambda: app.engine is not None, timeout=120, what="the second load")
+        gc.collect()
+        assert built[0]() is None, "the old model is still referenced"
+        assert built[1]() is not None
+        assert chat.turns[-1].finish_reason == "abort" and chat.turns[-1].content  # the stopped reply is kept
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    from localllm.server.app import create_app, start_server_thread
+
+    running = start_server_thread(create_app(engine.engine, model_name="served-smollm"))
+    yield running
+    running.stop()
+
+
+async def test_remote_mode_lists_the_servers_models_and_shows_only_what_it_knows(server, home):
+    from localllm.server.remote import RemoteEngine
+
+    endpoint = f"{server.url}/v1"
+    app = ChatApp(engine_factory=lambda model, progress: RemoteEngine(endpoint, model=model), endpoint=endpoint,
+                  default_params=SHORT)
+    async with app.run_test(size=(140, 30)) as pilot:
+        await wait_until(pilot, lambda: app.engine is not None, what="the connection")
+        chat = app.active_chat
+        await send(pilot, chat, "What is the capital of France?")
+        await wait_until(pilot, lambda: not chat.generating, what="the reply")
+        assert chat.turns[-1].content == "The capital of France is Paris."
+        status = app.status_text().plain
+        assert status.startswith(" served-smollm") and endpoint in status
+        # Nothing this client cannot know: no KV use, no RAM (its own), no "prefix hit 0".
+        assert "KV" not in status and "RAM" not in status and "prefix hit 0" not in status
+        assert re.search(r"ctx \d+/[\d,]+", status)  # the server reports its context limit
+        titles = [title for title, _, _ in _palette_commands(app)]
+        assert "Switch model: served-smollm" in titles and "Switch model" not in titles
+        assert not any(t.startswith("Pull model") for t in titles)
+        assert f"Reconnect to {endpoint}" in titles
+
+
+async def test_remote_mode_connection_errors_point_at_the_server(home):
+    from localllm.server.remote import RemoteEngine
+
+    endpoint = "http://127.0.0.1:9/v1"  # discard port: nothing listens
+    app = ChatApp(engine_factory=lambda model, progress: RemoteEngine(endpoint, model=model), endpoint=endpoint)
+    async with app.run_test(size=SIZE) as pilot:
+        chat = app.active_chat
+        await wait_until(pilot, lambda: chat.messages.query(".error"), what="the error")
+        error = chat.messages.query(".error").first().content
+        assert "cannot reach" in error and "Reconnect" in error and "Pull model" not in error
+        assert "Pull" not in app.status_text().plain
+
+
+def _palette_commands(app):
+    from localllm.tui.commands import ChatCommands
+
+    return ChatCommands(app.screen)._commands()  # what the palette lists

@@ -87,12 +87,72 @@ def test_search_delete_and_export(tmp_path: Path) -> None:
     assert h.db.execute("SELECT COUNT(*) FROM messages WHERE conversation_id = ?", (b.id,)).fetchone()[0] == 0
 
 
-def test_truncating_for_regenerate(tmp_path: Path) -> None:
+def test_branches_keep_every_alternative(tmp_path: Path) -> None:
     h = History(tmp_path / "h.sqlite3")
     c = h.create_conversation("t")
-    ids = [h.add_message(c.id, r, t).id for r, t in [("user", "1"), ("assistant", "2"), ("user", "3")]]
-    h.delete_messages_from(c.id, ids[1])
-    assert [m.content for m in h.messages(c.id)] == ["1"]
+    q = h.add_message(c.id, "user", "q")
+    a1 = h.add_message(c.id, "assistant", "a1", "stop")
+    a2 = h.add_message(c.id, "assistant", "a2", "stop", parent_id=q.id)  # regenerated
+    assert (a2.sibling_index, a2.num_siblings) == (1, 2)
+    assert [(m.content, m.sibling_index, m.num_siblings) for m in h.messages(c.id)] == [("q", 0, 1), ("a2", 1, 2)]
+    follow = h.add_message(c.id, "user", "more")
+    assert follow.parent_id == a2.id  # the default parent is the head
+    assert [m.content for m in h.switch_branch(c.id, a1.id)] == ["q", "a1"]
+    # Back to a2: its newest descendant becomes the head again.
+    assert [m.content for m in h.switch_branch(c.id, a2.id)] == ["q", "a2", "more"]
+    q2 = h.add_message(c.id, "user", "q, edited", parent_id=None)  # the first message edited
+    assert [m.content for m in h.messages(c.id)] == ["q, edited"] and h.siblings(q2.id) == [q.id, q2.id]
+    h.delete_message(q2.id)  # the head goes back to the newest other branch
+    assert [m.content for m in h.messages(c.id)] == ["q", "a2", "more"]
+    h.clear_conversation(c.id)
+    assert h.messages(c.id) == [] and h.db.execute("SELECT COUNT(*) FROM messages").fetchone()[0] == 0
+
+
+def test_a_streaming_reply_is_rewritten_in_place_and_a_dead_one_is_marked(tmp_path: Path) -> None:
+    h = History(tmp_path / "h.sqlite3")
+    c = h.create_conversation("t")
+    h.add_message(c.id, "user", "q")
+    r = h.add_message(c.id, "assistant", "")  # finish_reason NULL: streaming
+    h.update_message(r.id, content="The capital")
+    h.update_message(r.id, content="The capital of France")
+    assert h.search("capital")[0].conversation_id == c.id  # the index follows the rewrites
+    assert h.mark_interrupted(c.id) == 1
+    [_, m] = h.messages(c.id)
+    assert (m.content, m.finish_reason) == ("The capital of France", "interrupted")
+    h.update_message(m.id, content="The capital of France is Paris.", finish_reason="stop", meta={"tokens": 8})
+    [_, m] = h.messages(c.id)
+    assert (m.finish_reason, m.meta) == ("stop", {"tokens": 8}) and h.mark_interrupted(c.id) == 0
+    assert "*(interrupted)*" not in h.export_markdown(c.id)
+
+
+def test_a_version_2_database_gets_branches(tmp_path: Path) -> None:
+    from localllm import history
+
+    path = tmp_path / "v2.sqlite3"
+    db = sqlite3.connect(path, isolation_level=None)
+    history._v1_tables(db)
+    history._v2_fts(db)
+    db.execute("PRAGMA user_version = 2")
+    db.execute("INSERT INTO conversations (title, created, updated) VALUES ('old', 0, 0)")
+    for role, text in [("user", "1"), ("assistant", "2"), ("user", "3")]:
+        db.execute("INSERT INTO messages (conversation_id, role, content, created) VALUES (1, ?, ?, 0)", (role, text))
+    db.close()
+    h = History(path)
+    assert [m.content for m in h.messages(1)] == ["1", "2", "3"]  # the list became a branch
+    assert h.add_message(1, "assistant", "4").parent_id == h.messages(1)[-2].id
+
+
+def test_recent_prompts_and_app_state(tmp_path: Path) -> None:
+    h = History(tmp_path / "h.sqlite3")
+    c = h.create_conversation("t")
+    for text in ["a", "b", "b", "c"]:
+        h.add_message(c.id, "user", text)
+        h.add_message(c.id, "assistant", "ok", "stop")
+    assert h.recent_prompts() == ["a", "b", "c"]
+    assert h.get_state("theme") is None
+    h.set_state("theme", "nord")
+    h.set_state("theme", "gruvbox")
+    assert h.get_state("theme") == "gruvbox"
 
 
 def test_fts_query_quotes_words() -> None:

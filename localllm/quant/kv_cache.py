@@ -1,0 +1,82 @@
+"""Per-layer scales of an FP8 (e4m3) KV cache: 1.0 by default, as in vLLM, or calibrated.
+
+The cache stores ``K / k_scale`` and ``V / v_scale`` saturated to e4m3's +-448, one scale for
+K and one for V per layer; the attention kernels fold the scales back in. With 1.0 the cache
+holds the values as they are: e4m3 keeps 3 mantissa bits from 2^-6 to 448, and the default
+model's keys reach ~24 and its values ~18, so nothing saturates, but the few values under
+2^-6 lose precision.
+
+Calibration (``calculate_kv_scales``) runs one prefill of ``calibration_prompt`` over a
+private full-precision pool, reads each layer's largest |K| (after rotary, what the cache
+stores) and |V| from that pool, and sets ``scale = max / (448 / HEADROOM)``: the calibration
+prompt's largest value lands at 448 / HEADROOM, so a later prompt may run HEADROOM times
+larger before it saturates, and small values move out of the subnormal range.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from localllm.models.llama import LlamaForCausalLM
+    from localllm.tokenizer import Tokenizer
+
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
+HEADROOM = 2.0
+
+# A short chat through the model's own template: the system and role tokens every chat starts
+# with (where attention sinks put the largest keys) and some ordinary prose.
+CALIBRATION_CHAT = (
+    {"role": "user", "content": "Explain in a few sentences how a bicycle stays upright, and why riding "
+                                "slowly is harder than riding fast."},
+    {"role": "assistant", "content": "A moving bicycle stays upright mostly because the rider steers: when it "
+                                     "starts to lean, turning the front wheel into the lean brings the wheels "
+                                     "back under the rider's weight. The fork's geometry helps, since a leaning "
+                                     "bike turns its front wheel the same way on its own. At low speed every "
+                                     "correction has to be larger, so balancing takes more effort."},
+    {"role": "user", "content": "Now list three things to check before a long ride, with numbers where they "
+                                "matter, such as tyre pressure in bar or psi."},
+)
+
+
+def kv_scale_tensor(
+    scales: Sequence[tuple[float, float]] | None, num_layers: int, device: torch.device
+) -> torch.Tensor:
+    """[2, layers, 1] fp32: row 0 the k_scales, row 1 the v_scales; 1.0 where ``scales`` is None.
+    Each layer gets 1-element views, which the kernels read on the device (graph-safe)."""
+    t = torch.ones(2, num_layers, 1, dtype=torch.float32, device=device)
+    if scales is not None:
+        assert len(scales) == num_layers, "one (k_scale, v_scale) per layer"
+        t.copy_(torch.tensor(scales, dtype=torch.float32).t().unsqueeze(-1))
+    return t
+
+
+def calibration_prompt(tokenizer: Tokenizer) -> list[int]:
+    return tokenizer.encode_chat(list(CALIBRATION_CHAT))
+
+
+@torch.inference_mode()
+def calibrate_kv_scales(model: LlamaForCausalLM, token_ids: Sequence[int]) -> list[tuple[float, float]]:
+    """(k_scale, v_scale) per layer from one prefill of ``token_ids`` (cut to the positions the
+    model's rotary table covers).
+
+    The prefill writes into a private pool (fp32 on CPU, the model dtype elsewhere) that this
+    function attaches to the model; the caller attaches the engine's pool afterwards.
+    """
+    from localllm.quant.forward import KVPool, blocks_for, device_of, prefill_batch
+
+    token_ids = list(token_ids)[: model.cos_sin.shape[0]]
+    dev = device_of(model)
+    n = len(token_ids)
+    dtype = torch.float32 if dev.type == "cpu" else model.lm_head.weight.dtype
+    pool = KVPool(model, blocks_for([n]), dtype)
+    batch = prefill_batch([list(token_ids)], dev)
+    model(batch.input_ids, batch.positions, batch.meta)
+    layers = pool.kv.shape[1]
+    written = pool.kv.reshape(2, layers, -1, *pool.kv.shape[-2:])[:, :, :n]  # contiguous slots 0..n-1
+    amax = written.abs().float().amax(dim=(2, 3, 4)).clamp(min=1e-6)  # [2, layers]
+    scales = (amax * HEADROOM / FP8_MAX).t().tolist()
+    return [(k, v) for k, v in scales]

@@ -195,8 +195,8 @@ class ContextFullScreen(ModalScreen[str | None]):
                 Option(Text.assemble(("s", "bold"), "  New chat starting from a summary of this one"), id="summary"),
                 id="choices",
             )
-            yield Label("enter or the letter chooses · esc cancels" + (" (your message stays in the prompt)"
-                                                                        if self.sending else ""), classes="hint")
+            yield Label("enter or d/l/s chooses · esc cancels" + (", keeping your message" if self.sending else ""),
+                        classes="hint")
 
     def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
         self.dismiss(event.option.id)

@@ -221,11 +221,7 @@ def _commands() -> list[str]:
     return list(sub.choices)
 
 
-@pytest.mark.parametrize("command", [
-    pytest.param(c, marks=pytest.mark.xfail(strict=True, reason="localllm/tui/cli.py: chat --dtype has no help "
-                                                                 "(the TUI's owner: call localllm.cli._add_engine_args)"))
-    if c == "chat" else c for c in _commands()
-])
+@pytest.mark.parametrize("command", _commands())
 def test_every_subcommand_and_flag_has_a_help_line(command: str) -> None:
     from localllm.cli import build_parser
 

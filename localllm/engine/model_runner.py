@@ -209,7 +209,8 @@ class ModelRunner:
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compiled_cache_dir() / "inductor"))
         # cpp_wrapper: the graph's ~30 x 25 kernel calls run from generated C++, not from a
         # generated Python function (measured: median step 36 -> 24 ms under load)
-        self._compiled = torch.compile(_decode_logits, dynamic=None, options={"cpp_wrapper": True})
+        cpp_wrapper = os.environ.get("LOCALLLM_CPP_WRAPPER", "1") != "0"
+        self._compiled = torch.compile(_decode_logits, dynamic=None, options={"cpp_wrapper": cpp_wrapper})
         self._decode_call = self._run_bucket_compiled
         self._decode_gives_logits = True
         sizes = [b for b in (1, 2) if b <= self.buckets[-1]]

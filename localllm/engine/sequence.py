@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from localllm.errors import InvalidParameterError, LocalLLMError
+from localllm.errors import InvalidParameterError
 from localllm.tokenizer import lone_surrogate
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
@@ -110,19 +110,19 @@ class SamplingParams:
     def _check_guided(self) -> None:
         named = [f for f in GUIDED_FIELDS if getattr(self, f) is not None]
         if len(named) > 1:
-            raise LocalLLMError(f"bad sampling parameter: {' and '.join(named)} exclude each other; set one")
+            raise InvalidParameterError(named[1], f"{' and '.join(named)} exclude each other; set one")
         if isinstance(self.guided_json, str):
             try:
                 json.loads(self.guided_json)
             except ValueError as e:
-                raise LocalLLMError(f"bad sampling parameter: guided_json is not valid JSON ({e})") from None
+                raise InvalidParameterError("guided_json", f"not valid JSON ({e})") from None
         elif self.guided_json is not None and not isinstance(self.guided_json, dict):
-            raise LocalLLMError("bad sampling parameter: guided_json must be a JSON schema (an object)")
+            raise InvalidParameterError("guided_json", "must be a JSON schema (an object)")
         if self.guided_choice is not None and (
             not isinstance(self.guided_choice, (list, tuple)) or not self.guided_choice
             or not all(isinstance(c, str) and c for c in self.guided_choice)
         ):
-            raise LocalLLMError("bad sampling parameter: guided_choice must be a non-empty list of non-empty strings")
+            raise InvalidParameterError("guided_choice", "must be a non-empty list of non-empty strings")
 
     @property
     def guided(self) -> bool:

@@ -759,9 +759,7 @@ class ChatApp(App[None]):
         text.append(f"{'streams' if remote else 'batch'} {batch}", style="bold green" if batch > 1 else "")
         if s.num_waiting:
             text.append(f" +{s.num_waiting} waiting", style="yellow")
-        if not remote:
-            text.append(*sep)
-            text.append(f"KV {s.kv_usage:.1%}")
+        # The tab's context before the engine's KV: at 80 columns the line is cut from the right.
         if chat is not None:
             used, limit = chat.context_used(), chat.context_limit()
             text.append(*sep)
@@ -771,6 +769,9 @@ class ChatApp(App[None]):
                 text.append(f"ctx {used:,}/{limit:,}", style=style)
             else:
                 text.append(f"ctx {used:,}")
+        if not remote:
+            text.append(*sep)
+            text.append(f"KV {s.kv_usage:.1%}")
         cached = chat.last_cached_tokens if chat is not None else 0
         if not remote or cached:  # a server that reports no cache hits would read as "0 hits"
             text.append(*sep)

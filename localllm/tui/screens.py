@@ -103,7 +103,8 @@ class SettingsScreen(ModalScreen[tuple[str, dict[str, Any]] | None]):
     def compose(self) -> Any:
         with Vertical(classes="dialog wide"):
             yield Label(self.dialog_title, classes="dialog-title")
-            with VerticalScroll(classes="form"):
+            # Not focusable itself: the first tab would land on it, and typing there is lost.
+            with VerticalScroll(classes="form", can_focus=False):
                 yield Label("System prompt (empty: the model's default)")
                 yield TextArea(self.system_prompt, id="system", soft_wrap=True, tab_behavior="focus")
                 with Grid(classes="params"):
@@ -117,6 +118,9 @@ class SettingsScreen(ModalScreen[tuple[str, dict[str, Any]] | None]):
             with Horizontal(classes="buttons"):
                 yield Button("Save ^s", id="save", variant="primary", compact=True)
                 yield Button("Cancel esc", id="cancel", compact=True)
+
+    def on_mount(self) -> None:
+        self.query_one("#system", TextArea).focus()
 
     def action_save(self) -> None:
         raw = {key: self.query_one(f"#p-{key}", Input).value for key in PARAM_KEYS}
@@ -153,7 +157,7 @@ class HelpScreen(ModalScreen[None]):
     def compose(self) -> Any:
         with Vertical(classes="dialog wide tall"):
             yield Label("Keys", classes="dialog-title")
-            with VerticalScroll(id="keys"):
+            with VerticalScroll(id="keys"):  # focusable: the arrows scroll it
                 for title, rows in self.sections:
                     table = Table.grid(padding=(0, 2))
                     table.add_column(no_wrap=True, style="bold")
@@ -195,8 +199,8 @@ class ContextFullScreen(ModalScreen[str | None]):
                 Option(Text.assemble(("s", "bold"), "  New chat starting from a summary of this one"), id="summary"),
                 id="choices",
             )
-            yield Label("enter or the letter chooses · esc cancels" + (" (your message stays in the prompt)"
-                                                                        if self.sending else ""), classes="hint")
+            yield Label("enter or d/l/s chooses · esc cancels" + (", keeping your message" if self.sending else ""),
+                        classes="hint")
 
     def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
         self.dismiss(event.option.id)

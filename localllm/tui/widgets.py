@@ -149,7 +149,7 @@ class CodeFence(MarkdownFence):
         yield from super().compose()
 
     def _header(self) -> Text:
-        return Text.assemble((self.lexer or "code", "bold"), ("  ⧉ click to copy", "dim"))
+        return Text.assemble((self.lexer or "code", "bold"), ("  · click to copy", "dim"))
 
     async def _update_from_block(self, block: MarkdownBlock) -> None:
         await super()._update_from_block(block)

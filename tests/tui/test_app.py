@@ -218,13 +218,16 @@ async def test_invalid_settings_typed_as_keys_keep_the_dialog_open() -> None:
         for submit in (("ctrl+s",), ("enter",)):
             await pilot.press("ctrl+s")
             await wait_until(pilot, lambda: isinstance(app.screen, SettingsScreen))
-            field = app.screen.query_one("#p-temperature", Input)
-            field.focus()
+            await pilot.pause()
+            assert app.focused is app.screen.query_one("#system", TextArea)  # typing goes somewhere visible
+            await pilot.press("tab")  # to the temperature, the way a user gets there
+            assert app.focused is app.screen.query_one("#p-temperature", Input)
             await pilot.press(*"abc", *submit)
             await pilot.pause()
             assert isinstance(app.screen, SettingsScreen), f"{submit} saved an invalid temperature"
             error = str(app.screen.query_one("#error").render())
             assert "Temperature" in error and "'abc'" in error
+            assert app.screen.query_one("#system", TextArea).text == ""
             await pilot.press("escape")
             await wait_until(pilot, lambda: not isinstance(app.screen, SettingsScreen))
         for bad, says in (("-1", "temperature must be >= 0"), ("inf", "finite"), ("5.5", None)):

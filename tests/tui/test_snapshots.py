@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from textual.widgets import Markdown, TextArea
+from textual.widgets import Input, Markdown, TextArea
 
 from localllm.history import History
 from localllm.tui.app import ChatApp
@@ -48,12 +48,17 @@ def saved_chat(home: Path) -> None:
 
 async def _still(pilot) -> None:
     """Waits until every Markdown has parsed (it parses in a thread, so a loaded machine
-    can otherwise snap a half-built screen), then stops the cursors blinking."""
+    can otherwise snap a half-built screen), then hides the cursors: whether one shows
+    depends on blink timing and on the terminal's focus, neither of which is layout. Where
+    focus goes is tested with Pilot (test_app, test_branches)."""
     app = pilot.app
     await wait_until(pilot, lambda: all(md.children for md in app.query(Markdown) if md.source), timeout=20,
                      what="the Markdown to render")
     for area in app.query(TextArea):
         area.cursor_blink = False
+    for field in app.query(Input):
+        field.cursor_blink = False
+    app.screen.set_focus(None)
     await pilot.pause()
 
 

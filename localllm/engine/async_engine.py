@@ -14,7 +14,6 @@ import threading
 import traceback
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-
 from typing import TYPE_CHECKING
 
 from localllm.engine.engine import EngineStats, LLMEngine, Prompt, RequestOutput

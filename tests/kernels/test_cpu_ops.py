@@ -117,3 +117,17 @@ def test_gguf_dequantize_is_the_files_weight(type_: int) -> None:
     assert torch.equal(dense, ref)
     dense16 = torch.ops.localllm_cpu.gguf_dequantize(lin.codes, lin.d, lin.c, type_, torch.bfloat16)
     assert torch.equal(dense16, ref.bfloat16())
+
+
+def test_loading_the_kernels_leaves_subnormal_floats_alone() -> None:
+    """The library is compiled with -ffast-math; loading it must not switch the process to
+    flush-to-zero (a library linked with -ffast-math does, for every thread and every caller)."""
+    import subprocess
+    import sys
+
+    code = ("import torch; from localllm.kernels import cpu_ops; assert cpu_ops.load(); "
+            "tiny = float.fromhex('0x1p-1074'); "
+            "print(tiny * 1.0 > 0, torch.tensor([1e-40]).mul(1.0).item() > 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "True"]

@@ -48,8 +48,10 @@ def _cpu_signature() -> str:
 
 FLAGS = (
     "-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC", "-shared", "-std=c++17",
-    # fast-math lets the softmax loops vectorise; keep inf (the running max starts at -inf)
-    "-ffast-math", "-fno-finite-math-only",
+    # what lets the reductions vectorise, without -ffast-math: that links crtfastmath.o, which
+    # sets flush-to-zero for the whole process when the library loads (subnormals vanish in
+    # torch and everywhere else; hypothesis caught it)
+    "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros", "-freciprocal-math",
 )  # fmt: skip
 
 

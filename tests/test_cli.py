@@ -206,7 +206,9 @@ def test_help_lists_chat_first_and_every_environment_variable() -> None:
     # every LOCALLLM_* variable the code reads (grep os.environ) is in --help and the README
     root = Path(__file__).resolve().parents[1]
     sources = [*(root / "localllm").rglob("*.py"), *(root / "kernels").rglob("*.py")]
-    read = {m for f in sources for m in re.findall(r"environ\.get\(f?\"(LOCALLLM_[A-Z_]*)", f.read_text())}
+    read = {m for f in sources
+            for m in re.findall(r"(?:environ\.get\(|environ\[|getenv\(|in os\.environ)f?\"(LOCALLLM_[A-Z_]*)", f.read_text())}
+    read |= {m for f in sources for m in re.findall(r"\"(LOCALLLM_[A-Z_]*)\" in os\.environ", f.read_text())}
     assert {"LOCALLLM_HOME", "LOCALLLM_CATALOG", "LOCALLLM_API_KEY"} <= read
     readme = (root / "README.md").read_text()
     for name in sorted(read):  # an f-string variable ("LOCALLLM_QUANT_CPU_") is matched as a prefix

@@ -47,17 +47,16 @@ def _cpu_signature() -> str:
 
 
 FLAGS = (
-    "-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC", "-std=c++17",
-    # fast-math lets the softmax loops vectorise; keep inf (the running max starts at -inf)
-    "-ffast-math", "-fno-finite-math-only",
+    "-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC", "-shared", "-std=c++17",
+    # what lets the reductions vectorise, without -ffast-math: that links crtfastmath.o, which
+    # sets flush-to-zero for the whole process when the library loads (subnormals vanish in
+    # torch and everywhere else; hypothesis caught it)
+    "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros", "-freciprocal-math",
 )  # fmt: skip
-# Linked without -ffast-math: a library linked with it carries crtfastmath.o, whose
-# constructor turns on flush-to-zero and denormals-are-zero for the whole process on load.
-LINK_FLAGS = ("-shared", "-fopenmp")
 
 
 def _library_path(cxx: str) -> Path:
-    parts = (SOURCE.read_text(), torch.__version__, _cpu_signature(), cxx, *FLAGS, *LINK_FLAGS)
+    parts = (SOURCE.read_text(), torch.__version__, _cpu_signature(), cxx, *FLAGS)
     key = hashlib.sha256(b"\0".join(s.encode() for s in parts)).hexdigest()[:16]
     return compiled_cache_dir() / "cpu_ops" / key / "localllm_cpu_ops.so"
 
@@ -65,23 +64,19 @@ def _library_path(cxx: str) -> Path:
 def _build(cxx: str, out: Path) -> None:
     torch_dir = Path(torch.__file__).parent
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    cmd = [
+        cxx, *FLAGS,
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        "-I", str(torch_dir / "include"), "-I", str(torch_dir / "include" / "torch" / "csrc" / "api" / "include"),
+        str(SOURCE), "-L", str(torch_dir / "lib"), "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_dir / 'lib'}",
+    ]  # fmt: skip
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        obj, tmp_lib = Path(tmp) / "cpu_ops.o", Path(tmp) / out.name
-        compile_cmd = [
-            cxx, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-            "-I", str(torch_dir / "include"), "-I", str(torch_dir / "include" / "torch" / "csrc" / "api" / "include"),
-            "-c", str(SOURCE), "-o", str(obj),
-        ]  # fmt: skip
-        link_cmd = [
-            cxx, *LINK_FLAGS, str(obj), "-L", str(torch_dir / "lib"), "-lc10", "-ltorch_cpu",
-            f"-Wl,-rpath,{torch_dir / 'lib'}", "-o", str(tmp_lib),
-        ]  # fmt: skip
-        for cmd in (compile_cmd, link_cmd):
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
-                last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-                raise RuntimeError(f"{cxx} failed: {last}")
+        tmp_lib = Path(tmp) / out.name
+        proc = subprocess.run([*cmd, "-o", str(tmp_lib)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"{cxx} failed: {last}")
         os.replace(tmp_lib, out)  # atomic: a concurrent start sees no half-written library
 
 

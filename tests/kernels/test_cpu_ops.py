@@ -13,25 +13,28 @@ from localllm.kernels.paged_attention import CPU_INPLACE_MAX_Q, paged_attention_
 pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason="CPU kernels could not be built here")
 
 
-def _paged(lens: list[int], q_lens: list[int], heads: int, kv_heads: int, num_blocks: int = 512, bs: int = 16):
+def _paged(lens: list[int], q_lens: list[int], heads: int, kv_heads: int, num_blocks: int = 512, bs: int = 16,
+           head_dim: int = 64):
     """A random pool and a batch whose block tables are scattered over it."""
-    k = torch.randn(num_blocks, bs, kv_heads, 64)
-    v = torch.randn(num_blocks, bs, kv_heads, 64)
+    k = torch.randn(num_blocks, bs, kv_heads, head_dim)
+    v = torch.randn(num_blocks, bs, kv_heads, head_dim)
     width = max(-(-n // bs) for n in lens)
     perm = torch.randperm(num_blocks)
     tables = torch.stack([perm[i * width : (i + 1) * width] for i in range(len(lens))]).int()
     qsl = torch.tensor([0, *np.cumsum(q_lens)], dtype=torch.int32)
-    q = torch.randn(int(qsl[-1]), heads, 64) * 2
+    q = torch.randn(int(qsl[-1]), heads, head_dim) * 2
     return q, k, v, qsl, torch.tensor(lens, dtype=torch.int32), tables
 
 
-@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 8), (32, 8), (4, 1)])
-def test_paged_attention_in_place_matches_reference(heads: int, kv_heads: int) -> None:
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 8, 64), (32, 8, 128), (4, 1, 64), (6, 2, 32)])
+def test_paged_attention_in_place_matches_reference(heads: int, kv_heads: int, head_dim: int) -> None:
     # decodes of very different lengths (one long enough to split), extends over a cached
-    # prefix (up to CPU_INPLACE_MAX_Q new tokens), and one long prefill the SDPA path takes
-    lens = [5, 1100, 37, 16 + 3, 40 + 16, 60]
-    q_lens = [1, 1, 1, 3, CPU_INPLACE_MAX_Q, 60]
-    q, k, v, qsl, sl, tables = _paged(lens, q_lens, heads, kv_heads)
+    # prefix (up to CPU_INPLACE_MAX_Q new tokens, one of them long enough to split), and one
+    # long prefill the SDPA path takes; head_dim 64 and 128 take the kernels compiled for
+    # them, 32 the generic one
+    lens = [5, 1100, 37, 16 + 3, 40 + 16, 700 + 9, 60]
+    q_lens = [1, 1, 1, 3, CPU_INPLACE_MAX_Q, 9, 60]
+    q, k, v, qsl, sl, tables = _paged(lens, q_lens, heads, kv_heads, head_dim=head_dim)
     ref = paged_attention_ref(q, k, v, qsl, sl, tables, 0.125, 3)
     out = paged_attention_cpu(q, k, v, qsl, sl, tables, 0.125)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)

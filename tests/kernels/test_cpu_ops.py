@@ -80,12 +80,13 @@ def _quantized_x(x: torch.Tensor, levels: int) -> torch.Tensor:
 @pytest.mark.skipif(not cpu_ops.has_gguf_kernels(), reason="GGUF kernels need an x86-64-v3 CPU")
 @pytest.mark.parametrize("type_", [2, 3, 8], ids=["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("levels", [1, 2])
-def test_gguf_linear_matches_gguf_reference(type_: int, levels: int) -> None:
+@pytest.mark.parametrize("out_features", [96, 104])  # an even and an odd number of 8-row tiles
+def test_gguf_linear_matches_gguf_reference(type_: int, levels: int, out_features: int) -> None:
     from localllm.quant.gguf import GGUFBlocks, GGUFLinear, dequantize_blocks, quantize_blocks
 
-    w = torch.randn(96, 160) * 0.05
+    w = torch.randn(out_features, 160) * 0.05
     blocks = quantize_blocks(w, type_)
-    lin = GGUFLinear(160, 96, type_, output_sizes=[32, 64])
+    lin = GGUFLinear(160, out_features, type_, output_sizes=[32, out_features - 32])
     lin.load_weight("weight", GGUFBlocks(type_, blocks[:32].clone()), 0)
     lin.load_weight("weight", GGUFBlocks(type_, blocks[32:].clone()), 1)
     ref_w = dequantize_blocks(blocks, type_)

@@ -41,10 +41,13 @@ from __future__ import annotations
 
 import os
 
+from localllm.cli import set_openmp_defaults  # noqa: E402 - torch-free
+
 # What the user's shell had, before this process sets our CLI's default for the children it
 # starts: llama.cpp runs with the user's environment, not with our tuning.
-USER_OMP_WAIT_POLICY = os.environ.get("OMP_WAIT_POLICY")
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # must precede the torch import
+OPENMP_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+USER_OPENMP = {k: os.environ[k] for k in OPENMP_VARS if k in os.environ}
+set_openmp_defaults(os.environ)  # must precede the torch import
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
@@ -251,13 +254,9 @@ def build_llama_cpp(cache: Path, isa: Sequence[str], say: Callable[[str], None])
 
 
 def llama_cpp_env() -> dict[str, str]:
-    """The user's environment, without the OpenMP wait policy this script set for ours."""
-    env = dict(os.environ)
-    if USER_OMP_WAIT_POLICY is None:
-        env.pop("OMP_WAIT_POLICY", None)
-    else:
-        env["OMP_WAIT_POLICY"] = USER_OMP_WAIT_POLICY
-    return env
+    """The user's environment, without the OpenMP tuning this script set for ours."""
+    env = {k: v for k, v in os.environ.items() if k not in OPENMP_VARS}
+    return env | USER_OPENMP
 
 
 def _died(what: str, rc: int, tail: str) -> PeerError:
@@ -648,10 +647,10 @@ class Bench:
         return self.rows.setdefault(key, Row(key, label, unit, peer))
 
     def our_env(self) -> dict[str, str]:
-        return {"OMP_NUM_THREADS": str(self.o.threads), "OMP_WAIT_POLICY": os.environ["OMP_WAIT_POLICY"]}
+        return {"OMP_NUM_THREADS": str(self.o.threads), **{k: os.environ[k] for k in OPENMP_VARS if k in os.environ}}
 
     def their_env(self) -> dict[str, str]:
-        return {"OMP_WAIT_POLICY": USER_OMP_WAIT_POLICY} if USER_OMP_WAIT_POLICY else {}
+        return dict(USER_OPENMP)
 
     def skip(self, message: str) -> None:
         if message not in self.notes:

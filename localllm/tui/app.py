@@ -761,14 +761,15 @@ class ChatApp(App[None]):
             text.append(f" +{s.num_waiting} waiting", style="yellow")
         # The tab's context before the engine's KV: at 80 columns the line is cut from the right.
         if chat is not None:
-            used, limit = chat.context_used(), chat.context_limit()
+            (used, guess), limit = chat.context(), chat.context_limit()
+            shown = f"ctx {'~' if guess else ''}{used:,}"  # "~": a server that reported no usage
             text.append(*sep)
             if limit:
                 fill = used / limit
                 style = "bold red" if fill >= FILL_FULL else "yellow" if fill >= FILL_WARN else ""
-                text.append(f"ctx {used:,}/{limit:,}", style=style)
+                text.append(f"{shown}/{limit:,}", style=style)
             else:
-                text.append(f"ctx {used:,}")
+                text.append(shown)
         if not remote:
             text.append(*sep)
             text.append(f"KV {s.kv_usage:.1%}")

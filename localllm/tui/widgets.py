@@ -262,8 +262,11 @@ class MessageView(Vertical):
                 bits.append(f"{self.meta['tok_s']:.1f} tok/s")
             if self.meta.get("cached_tokens"):
                 bits.append(f"{self.meta['cached_tokens']} cached")
-        if self.role in ("user", "assistant") and self.meta.get("tokens"):
-            bits.append(f"{self.meta['tokens']} tok")
+        if self.meta.get("tokens"):
+            # "~": a guess (a server that reported no usage); a server counts the system
+            # prompt with the first message
+            count = f"{'~' if self.meta.get('estimated') else ''}{self.meta['tokens']:,} tok"
+            bits.append(count + (" with the system prompt" if self.meta.get("with_system") else ""))
         if self.branch[1] > 1:
             bits.append(f"‹ {self.branch[0] + 1}/{self.branch[1]} ›")
         if self.role == "system":

@@ -22,7 +22,7 @@ from textual.app import App
 from textual.binding import Binding, BindingType
 from textual.css.query import NoMatches
 from textual.theme import Theme
-from textual.widgets import Footer, TabbedContent, TabPane
+from textual.widgets import TabbedContent, TabPane
 
 from localllm.errors import LocalLLMError
 from localllm.hardware.planner import precision_label
@@ -50,7 +50,7 @@ from localllm.tui.screens import (
     RenameScreen,
     SettingsScreen,
 )
-from localllm.tui.widgets import MessageView, PromptArea, StatusBar
+from localllm.tui.widgets import ChatFooter, MessageView, PromptArea, StatusBar
 
 if TYPE_CHECKING:
     from textual.binding import Binding as BindingT
@@ -141,7 +141,7 @@ class ChatApp(App[None]):
     def compose(self) -> Any:
         yield TabbedContent(id="tabs")
         yield StatusBar(id="status")
-        yield Footer(compact=True)
+        yield ChatFooter(compact=True)
 
     async def on_mount(self) -> None:
         if self.config.keymap:

@@ -152,7 +152,7 @@ def describe(e: BaseException) -> str:
 class ChatPane(Vertical):
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("escape", "stop", "Stop", id="chat.stop"),
-        Binding("ctrl+r", "regenerate", "Regenerate", id="chat.regenerate"),
+        Binding("ctrl+r", "regenerate", "Retry", id="chat.regenerate"),
         Binding("ctrl+g", "continue", "Go on", id="chat.continue"),
         Binding("alt+e", "edit_last", "Edit last", id="chat.edit_last", show=False),
         Binding("alt+up", "focus_messages", "Messages", id="chat.messages", show=False),
@@ -264,10 +264,11 @@ class ChatPane(Vertical):
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action == "stop":
             return self.generating or self.editing is not None
+        # not while editing: the footer then names only what ends the edit
         if action == "regenerate":
-            return bool(self.turns) and not self.generating
+            return bool(self.turns) and not self.generating and self.editing is None
         if action == "continue":
-            return (not self.generating and bool(self.turns) and self.turns[-1].role == "assistant"
+            return (not self.generating and self.editing is None and bool(self.turns) and self.turns[-1].role == "assistant"
                     and self.turns[-1].finish_reason in CONTINUABLE)
         return True
 

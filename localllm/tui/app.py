@@ -22,7 +22,7 @@ from textual.app import App
 from textual.binding import Binding, BindingType
 from textual.css.query import NoMatches
 from textual.theme import Theme
-from textual.widgets import Footer, TabbedContent, TabPane
+from textual.widgets import TabbedContent, TabPane
 
 from localllm.errors import LocalLLMError
 from localllm.hardware.planner import precision_label
@@ -50,7 +50,7 @@ from localllm.tui.screens import (
     RenameScreen,
     SettingsScreen,
 )
-from localllm.tui.widgets import MessageView, PromptArea, StatusBar
+from localllm.tui.widgets import ChatFooter, MessageView, PromptArea, StatusBar
 
 if TYPE_CHECKING:
     from textual.binding import Binding as BindingT
@@ -141,7 +141,7 @@ class ChatApp(App[None]):
     def compose(self) -> Any:
         yield TabbedContent(id="tabs")
         yield StatusBar(id="status")
-        yield Footer(compact=True)
+        yield ChatFooter(compact=True)
 
     async def on_mount(self) -> None:
         if self.config.keymap:
@@ -761,14 +761,15 @@ class ChatApp(App[None]):
             text.append(f" +{s.num_waiting} waiting", style="yellow")
         # The tab's context before the engine's KV: at 80 columns the line is cut from the right.
         if chat is not None:
-            used, limit = chat.context_used(), chat.context_limit()
+            (used, guess), limit = chat.context(), chat.context_limit()
+            shown = f"ctx {'~' if guess else ''}{used:,}"  # "~": a server that reported no usage
             text.append(*sep)
             if limit:
                 fill = used / limit
                 style = "bold red" if fill >= FILL_FULL else "yellow" if fill >= FILL_WARN else ""
-                text.append(f"ctx {used:,}/{limit:,}", style=style)
+                text.append(f"{shown}/{limit:,}", style=style)
             else:
-                text.append(f"ctx {used:,}")
+                text.append(shown)
         if not remote:
             text.append(*sep)
             text.append(f"KV {s.kv_usage:.1%}")

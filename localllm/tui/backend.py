@@ -263,13 +263,23 @@ def sampling_params(params: dict[str, Any]) -> SamplingParams:
 
 # ---- the context window ----
 
-def estimate_tokens(text: str, tokenizer: Tokenizer | None) -> int:
-    """Tokens ``text`` takes as a chat message: exact with a tokenizer, else a generous
-    guess (3 characters a token; English averages about 4), plus the template's framing."""
-    framing = 8  # role markers and separators around a message (ChatML: 5)
-    if tokenizer is not None:
-        return len(tokenizer.encode(text, add_special_tokens=False)) + framing
-    return len(text) // 3 + 1 + framing
+def estimate_tokens(text: str) -> int:
+    """A guess at the tokens ``text`` takes as a chat message, for when nothing exact is at
+    hand (a server that reports no usage): generous, 3 characters a token (English averages
+    about 4), plus a template's framing around a message (ChatML: 5)."""
+    return len(text) // 3 + 1 + 8
+
+
+def chat_tokens(tokenizer: Tokenizer, messages: list[Message], add_generation_prompt: bool) -> int | None:
+    """The exact length of ``messages`` through the chat template, as the engine tokenizes a
+    chat prompt (``add_generation_prompt=True``: the prompt itself); None where the template
+    refuses them (some require alternating roles), which the engine would refuse too."""
+    if not messages:
+        return 0  # some templates index messages[0]
+    try:
+        return len(tokenizer.encode_chat(messages, add_generation_prompt))
+    except Exception:  # noqa: BLE001 - a count is never worth a crash; the caller guesses
+        return None
 
 
 def continuation_prompt(tokenizer: Tokenizer | None, messages: list[Message], partial: str) -> Prompt:

@@ -32,6 +32,7 @@ from textual.worker import Worker, WorkerCancelled, WorkerFailed, WorkerState
 from localllm.errors import LocalLLMError
 from localllm.history import Conversation, History, StoredMessage
 from localllm.tui.backend import (
+    chat_tokens,
     code_blocks,
     continuation_prompt,
     estimate_tokens,
@@ -43,7 +44,7 @@ from localllm.tui.widgets import MessageList, MessageView, PromptArea
 
 if TYPE_CHECKING:
     from localllm.engine.engine import RequestOutput
-    from localllm.tokenizer import Message as ChatMessage
+    from localllm.tokenizer import Message as ChatMessage, Tokenizer
     from localllm.tui.backend import ChatEngine
 
 FRAME_S = 1 / 20  # at most one Markdown append per tab per 50 ms: each one costs a layout pass of the screen
@@ -136,6 +137,8 @@ class Reply:
             # same turns.
             meta["prompt_tokens"] = self.prompt_tokens - self.prefix_tokens
             meta["sent_after"] = sent_after
+        else:  # a server that sent no usage: its stream was counted in chunks
+            meta["estimated"] = True
         if self.finish_reason == "length" and limit and self.prompt_tokens + self.num_tokens - self.prefix_tokens >= limit:
             meta["context_limit"] = True
         return meta
@@ -149,7 +152,7 @@ def describe(e: BaseException) -> str:
 class ChatPane(Vertical):
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("escape", "stop", "Stop", id="chat.stop"),
-        Binding("ctrl+r", "regenerate", "Regenerate", id="chat.regenerate"),
+        Binding("ctrl+r", "regenerate", "Retry", id="chat.regenerate"),
         Binding("ctrl+g", "continue", "Go on", id="chat.continue"),
         Binding("alt+e", "edit_last", "Edit last", id="chat.edit_last", show=False),
         Binding("alt+up", "focus_messages", "Messages", id="chat.messages", show=False),
@@ -198,7 +201,8 @@ class ChatPane(Vertical):
         self.last_tok_s = float(last.meta.get("tok_s", 0.0)) if last else 0.0
         self.last_cached_tokens = int(last.meta.get("cached_tokens", 0)) if last else 0
         self._warned_full = False
-        self._estimates: dict[str, int] = {}  # message text -> estimated tokens, for messages without a count
+        self._estimates: dict[str, int] = {}  # message text -> budget guess, for summaries
+        self._rendered: tuple[tuple[tuple[str, str], ...], int | None] | None = None  # last chat_tokens call
         self._worker: Worker[None] | None = None
         self._flush_timer: Timer | None = None
         self._save_timer: Timer | None = None
@@ -230,6 +234,7 @@ class ChatPane(Vertical):
     def on_mount(self) -> None:
         with suppress(Exception):  # the recall list is a convenience; a broken history has none
             self.prompt.recall = self.host.history.recent_prompts()
+        self._show_system_tokens()
         self.messages.follow_end()  # a restored chat opens at its end
 
     @property
@@ -259,40 +264,160 @@ class ChatPane(Vertical):
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action == "stop":
             return self.generating or self.editing is not None
+        # not while editing: the footer then names only what ends the edit
         if action == "regenerate":
-            return bool(self.turns) and not self.generating
+            return bool(self.turns) and not self.generating and self.editing is None
         if action == "continue":
-            return (not self.generating and bool(self.turns) and self.turns[-1].role == "assistant"
+            return (not self.generating and self.editing is None and bool(self.turns) and self.turns[-1].role == "assistant"
                     and self.turns[-1].finish_reason in CONTINUABLE)
         return True
 
     # ---- the context window ----
+    #
+    # A message's "tokens" is what it adds to the prompt, its template framing included: a
+    # reply's are its output ids; a user message's are the prompt minus all before it, from
+    # the tokenizer at send when the engine is local, and from the engine's (or a server's
+    # usage) prompt count when its reply ends. So the gauge is the sum of the counts shown.
+    # meta "estimated" marks a guess (a server that sent no usage); "with_system" a first
+    # message whose count holds the system prompt (a server counts them as one prompt).
+
+    def _tokenizer(self) -> Tokenizer | None:
+        engine = self.host.engine
+        return engine.tokenizer if engine is not None else None
 
     def context_used(self) -> int:
-        """Tokens the next prompt starts with: exact from the engine's count at the last
-        reply when it is still valid, plus estimates for what came after it. Cheap enough
-        for the status bar's repaints: estimates are cached per message."""
-        sent_after = self.dropped_until
-        used, start = self._estimate(self.system_prompt) if self.system_prompt else 0, self.context_start
-        for i in range(len(self.turns) - 1, self.context_start - 1, -1):
-            meta = self.turns[i].meta
-            if self.turns[i].role == "assistant" and "prompt_tokens" in meta and meta.get("sent_after") == sent_after:
-                used, start = int(meta["prompt_tokens"]) + int(meta.get("tokens", 0)), i + 1
-                break
-        return used + sum(self._tokens(t) for t in self.turns[start:])
+        return self.context()[0]
 
-    def _tokens(self, t: Turn) -> int:
+    def context(self, upto: int | None = None) -> tuple[int, bool]:
+        """(tokens, estimated) of what the model is sent before turns[upto] (all turns: the
+        next prompt). Exact from the engine's count at the last reply still valid, plus the
+        counts of what came after it; without such a reply, from the tokenizer when the engine
+        is local. Cheap enough for the status bar's repaints: the tokenizer runs only when the
+        chat changed."""
+        upto = len(self.turns) if upto is None else upto
+        start = self.context_start
+        for i in range(upto - 1, self.context_start - 1, -1):
+            figures = self._reply_figures(self.turns[i])
+            if figures is not None:
+                used, estimated = figures
+                start = i + 1
+                break
+        else:
+            tokenizer = self._tokenizer()
+            streaming = self.reply is not None and any(t is self.reply.turn for t in self.turns[start:upto])
+            if tokenizer is not None and not streaming:
+                exact = self._render_count(tokenizer, upto)
+                if exact is not None:
+                    return exact, False
+            used, estimated = self._system_tokens(start, upto)
+        for t in self.turns[start:upto]:
+            n, guess = self._tokens(t)
+            used += n
+            estimated = estimated or guess
+        return used, estimated
+
+    def _reply_figures(self, t: Turn) -> tuple[int, bool] | None:
+        """The context at the end of reply ``t`` as the engine counted it; None if unknown or
+        no longer valid (the chat dropped other turns since)."""
+        if t.role != "assistant":
+            return None
+        reply = self.reply
+        if reply is not None and t is reply.turn:
+            if not reply.prompt_tokens:  # not yet known (or a server: only at the end)
+                return None
+            return reply.prompt_tokens - reply.prefix_tokens + reply.num_tokens, False
+        meta = t.meta
+        if "prompt_tokens" in meta and meta.get("sent_after") == self.dropped_until:
+            return int(meta["prompt_tokens"]) + int(meta.get("tokens", 0)), bool(meta.get("estimated"))
+        return None
+
+    def _render_count(self, tokenizer: Tokenizer, upto: int) -> int | None:
+        """The exact tokens of the chat before turns[upto]: with the generation prompt when a
+        user message ends it (then it is the prompt the engine would get)."""
+        msgs = self.prompt_messages(upto)
+        key = tuple((m["role"], m["content"]) for m in msgs)  # str hashes are cached: cheap
+        if self._rendered is None or self._rendered[0] != key:
+            gen = bool(msgs) and msgs[-1]["role"] == "user"
+            self._rendered = key, chat_tokens(tokenizer, msgs, gen)
+        return self._rendered[1]
+
+    def _system_tokens(self, start: int, upto: int) -> tuple[int, bool]:
+        if not self.system_prompt.strip():
+            return 0, False
+        if start < upto and self.turns[start].meta.get("with_system"):
+            return 0, False
+        tokenizer = self._tokenizer()
+        if tokenizer is not None:
+            n = chat_tokens(tokenizer, [{"role": "system", "content": self.system_prompt}], False)
+            if n is not None:
+                return n, False
+        return estimate_tokens(self.system_prompt), True
+
+    def _tokens(self, t: Turn) -> tuple[int, bool]:
         if self.reply is not None and t is self.reply.turn:
-            return self.reply.num_tokens
+            # a server's stream is counted in chunks until its usage arrives
+            return self.reply.num_tokens, self._tokenizer() is None
         if "tokens" in t.meta:
-            return int(t.meta["tokens"])
-        return self._estimate(t.content)
+            return int(t.meta["tokens"]), bool(t.meta.get("estimated"))
+        return estimate_tokens(t.content), True
+
+    def _new_message_tokens(self, text: str, upto: int | None = None) -> tuple[int, bool]:
+        """What ``text`` adds to the prompt as the user message after turns[:upto]."""
+        tokenizer = self._tokenizer()
+        if tokenizer is not None:
+            total = chat_tokens(tokenizer, [*self.prompt_messages(upto), {"role": "user", "content": text}], True)
+            if total is not None:
+                before, guess = self.context(upto)
+                return max(1, total - before), guess
+        return estimate_tokens(text), True
+
+    def _count_prompt(self, reply: Reply) -> None:
+        """Makes the count of the user message a reply answers exact, from the prompt's count
+        the engine (or a server's usage) gave: the prompt minus all before the message."""
+        index = next((i for i, t in enumerate(self.turns) if t is reply.turn), -1) - 1
+        if reply.prefix or not reply.prompt_tokens or index < self.context_start or self.turns[index].role != "user":
+            return
+        if index == self.context_start and self._tokenizer() is None:
+            before, guess, with_system = 0, False, bool(self.system_prompt.strip())
+        else:
+            (before, guess), with_system = self.context(index), False
+        user = self.turns[index]
+        meta = {k: v for k, v in user.meta.items() if k not in ("estimated", "with_system")}
+        meta["tokens"] = max(1, reply.prompt_tokens - before)
+        if guess:
+            meta["estimated"] = True
+        if with_system:
+            meta["with_system"] = True
+        if meta == user.meta:
+            return
+        user.meta = meta
+        view = self.views[index]
+        view.meta = dict(meta)
+        view.refresh_header()
+        if user.message_id is not None:
+            try:
+                self.host.history.update_message(user.message_id, meta=meta)
+            except Exception as e:  # noqa: BLE001
+                self.log.warning(f"could not save the message's token count: {e}")
+
+    def _show_system_tokens(self) -> None:
+        """The system prompt's own count, where the engine is local (a server counts it with
+        the first message)."""
+        tokenizer = self._tokenizer()
+        n = (chat_tokens(tokenizer, [{"role": "system", "content": self.system_prompt}], False)
+             if tokenizer is not None and self.system_prompt.strip() else None)
+        view = self.messages.query(MessageView).filter(".system").first()
+        if view.meta.get("tokens") != n:
+            view.meta = {"tokens": n} if n else {}
+            view.refresh_header()
 
     def _estimate(self, text: str) -> int:
+        """A budget for summaries: the tokens of ``text`` plus a message's framing."""
         cached = self._estimates.get(text)
         if cached is None:
-            engine = self.host.engine
-            cached = self._estimates[text] = estimate_tokens(text, engine.tokenizer if engine else None)
+            tokenizer = self._tokenizer()
+            cached = self._estimates[text] = (len(tokenizer.encode(text, add_special_tokens=False)) + 8
+                                              if tokenizer is not None else estimate_tokens(text))
         return cached
 
     def context_limit(self) -> int | None:
@@ -309,7 +434,7 @@ class ChatPane(Vertical):
         message; len(turns) when not even the last one fits."""
         total, start = 0, len(self.turns)
         for i in range(len(self.turns) - 1, self.context_start - 1, -1):
-            total += self._tokens(self.turns[i])
+            total += self._tokens(self.turns[i])[0]
             if total > budget:
                 break
             if self.turns[i].role == "user":
@@ -327,13 +452,14 @@ class ChatPane(Vertical):
         text = event.text.strip()
         limit = self.context_limit()
         if limit is not None:
-            own = self._estimate(text)
+            upto = self.editing  # an edit replaces the turns from there on
+            own, guess = self._new_message_tokens(text, upto)
             if own + self._reserve(limit) > limit:  # no room would help: the message alone is too long
                 event.prompt.restore(event.text)
-                await self.show_error(f"this message is about {own:,} tokens, and with room for a reply that is "
-                                      f"over the context limit of {limit:,}: shorten it")
+                await self.show_error(f"this message is {'about ' if guess else ''}{own:,} tokens, and with room "
+                                      f"for a reply that is over the context limit of {limit:,}: shorten it")
                 return
-            need = self.context_used() + own
+            need = self.context(upto)[0] + own
             if need + self._reserve(limit) > limit:
                 event.prompt.restore(event.text)  # kept until the user chooses
                 self.ask_for_room(text, need, limit)
@@ -351,7 +477,8 @@ class ChatPane(Vertical):
         else:
             parent = self._last_id()
         self.prompt.recall.append(text)
-        self._commit("user", text, None, {"tokens": self._estimate(text)}, parent)
+        tokens, guess = self._new_message_tokens(text)
+        self._commit("user", text, None, {"tokens": tokens, **({"estimated": True} if guess else {})}, parent)
         self._start()
 
     def _last_id(self) -> int | None:
@@ -424,6 +551,9 @@ class ChatPane(Vertical):
             if host.engine is None and host.engine_loading:
                 self.notify("The model is still loading; the reply starts when it is ready.")
             engine = await host.wait_for_engine()
+            if continue_index is not None and engine.tokenizer is not None:
+                # what continuation_prompt appends, so the prompt's count minus it is exact
+                reply.prefix_tokens = len(engine.tokenizer.encode(reply.prefix, add_special_tokens=False))
             params = sampling_params(self.effective_params())
             prompt = (prompt_msgs if continue_index is None
                       else continuation_prompt(engine.tokenizer, prompt_msgs, reply.prefix))
@@ -486,6 +616,7 @@ class ChatPane(Vertical):
         reply.pending.clear()
         self.last_tok_s = reply.tok_s
         self.last_cached_tokens = reply.cached_tokens
+        self._count_prompt(reply)
         turn = reply.turn
         if reply.text or finish_reason not in ("abort", "error"):
             turn.content, turn.finish_reason = reply.text, finish_reason
@@ -515,6 +646,7 @@ class ChatPane(Vertical):
             await reply.view.remove()
             return
         await reply.view.finish(reply.text, finish_reason, reply.turn.meta)
+        self._show_system_tokens()  # the engine may have loaded since the tab opened
         self.messages.follow_end()
         self._warn_if_filling()
 
@@ -522,11 +654,11 @@ class ChatPane(Vertical):
         limit = self.context_limit()
         if not limit or self._warned_full:
             return
-        used = self.context_used()
+        used, guess = self.context()
         if used >= WARN_FILL * limit:
             self._warned_full = True
             self.show_note(
-                f"This chat holds about {used:,} of the model's {limit:,} tokens of context. When it is full, "
+                f"This chat holds {'about ' if guess else ''}{used:,} of the model's {limit:,} tokens of context. When it is full, "
                 "you choose: drop the oldest turns, or go on in a new chat with the last turns or a summary "
                 "(ctrl+p: Make room).")
 
@@ -839,6 +971,7 @@ class ChatPane(Vertical):
         self.system_prompt = system_prompt
         self.params = dict(params)
         await self.messages.query(MessageView).filter(".system").first().set_content(system_prompt)
+        self._show_system_tokens()
         if self.conversation is not None:
             try:
                 self.host.history.update_conversation(

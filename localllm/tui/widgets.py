@@ -1,5 +1,5 @@
 """The chat's building blocks: the prompt, the scrolling message list, one message, code
-blocks, the status bar. None of them knows the app or the pane: they post messages."""
+blocks, the status bar, the footer. None of them knows the app or the pane: they post messages."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ from textual.binding import Binding, BindingType
 from textual.containers import Vertical, VerticalScroll
 from textual.message import Message
 from textual.widget import Widget
-from textual.widgets import Label, Markdown, Static, TextArea
+from textual.widgets import Footer, Label, Markdown, Static, TextArea
 from textual.widgets.markdown import MarkdownBlock, MarkdownFence, MarkdownStream
 
+BRANCHES = Binding.Group("Branch", compact=True)
 NEAR_BOTTOM_ROWS = 2  # follow new text only when the view is this close to the end (oterm's rule)
 
 
@@ -199,12 +200,14 @@ class MessageView(Vertical):
         Binding("up", "act('previous')", "Previous", id="message.previous", show=False),
         Binding("down", "act('next')", "Next", id="message.next", show=False),
         Binding("e", "act('edit')", "Edit", id="message.edit"),
-        Binding("r", "act('regenerate')", "Regenerate", id="message.regenerate"),
-        Binding("left", "act('branch', -1)", "Branch", id="message.branch_previous", key_display="←"),
-        Binding("right", "act('branch', 1)", "Branch", id="message.branch_next", key_display="→"),
+        # ctrl+r too: on a selected reply it means this one, and the footer then names it once
+        Binding("r,ctrl+r", "act('regenerate')", "Retry", id="message.regenerate"),
+        Binding("left", "act('branch', -1)", "Branch", id="message.branch_previous", key_display="←", group=BRANCHES),
+        Binding("right", "act('branch', 1)", "Branch", id="message.branch_next", key_display="→", group=BRANCHES),
         Binding("c", "act('copy')", "Copy", id="message.copy"),
-        Binding("k", "act('copy_code')", "Copy code", id="message.copy_code"),
-        Binding("escape", "act('leave')", "Back to prompt", id="message.leave"),
+        Binding("k", "act('copy_code')", "Code", id="message.copy_code"),
+        # off the footer, which must fit 80 columns: the help names it, and esc is what one tries
+        Binding("escape", "act('leave')", "Back", id="message.leave", show=False),
     ]
 
     class CopyRequested(Message):
@@ -262,8 +265,11 @@ class MessageView(Vertical):
                 bits.append(f"{self.meta['tok_s']:.1f} tok/s")
             if self.meta.get("cached_tokens"):
                 bits.append(f"{self.meta['cached_tokens']} cached")
-        if self.role in ("user", "assistant") and self.meta.get("tokens"):
-            bits.append(f"{self.meta['tokens']} tok")
+        if self.meta.get("tokens"):
+            # "~": a guess (a server that reported no usage); a server counts the system
+            # prompt with the first message
+            count = f"{'~' if self.meta.get('estimated') else ''}{self.meta['tokens']:,} tok"
+            bits.append(count + (" with the system prompt" if self.meta.get("with_system") else ""))
         if self.branch[1] > 1:
             bits.append(f"‹ {self.branch[0] + 1}/{self.branch[1]} ›")
         if self.role == "system":
@@ -371,3 +377,49 @@ class StatusBar(Widget):
 
     def render(self) -> Text:
         return self._text
+
+
+class ChatFooter(Footer):
+    """The footer with the keys a new user needs first: tabs, newline, help and quit, always
+    in the same place at the left; then what applies to the focus now; new tab last.
+
+    Textual orders the keys by the focus chain (the focused widget's first), and a footer
+    wider than the terminal is cut at the right: at 80 columns, with a message selected,
+    quit and help were the keys cut. Order is by action; the labels are short enough that
+    the usual states fit 80 columns whole."""
+
+    FIRST: ClassVar[tuple[str, ...]] = ("previous_tab", "next_tab", "newline", "app.help_screen", "help_screen",
+                                        "quit")
+    LAST: ClassVar[tuple[str, ...]] = ("new_tab",)
+
+    @classmethod
+    def rank(cls, action: str | None) -> int:
+        if action in cls.FIRST:
+            return cls.FIRST.index(action)
+        if action in cls.LAST:
+            return 1000 + cls.LAST.index(action)
+        return 100  # in the focus chain's order among themselves (the sort is stable)
+
+    async def recompose(self) -> None:
+        await super().recompose()
+        # Units: a key, or a group of keys (tab switching) with the label after it. The
+        # command palette's key is docked right and stays where it is.
+        units: list[list[Widget]] = []
+        for child in self.children:
+            if child.has_class("-command-palette"):
+                continue
+            if units and not hasattr(child, "action") and not child.children:
+                units[-1].append(child)  # a group's label
+            else:
+                units.append([child])
+        ordered = [w for unit in sorted(units, key=lambda u: self.rank(self._action(u[0]))) for w in unit]
+        for i, widget in enumerate(ordered):
+            if self.children.index(widget) != i:
+                self.move_child(widget, before=i)
+
+    @staticmethod
+    def _action(widget: Widget) -> str | None:
+        action = getattr(widget, "action", None)
+        if action is None and widget.children:  # a group: its first key's
+            action = getattr(widget.children[0], "action", None)
+        return action

@@ -42,12 +42,16 @@ def prompt_tokens(prompt: Any) -> int:
 
 class FakeEngine:
     """Replies with ``reply`` one word per step, ``delay`` seconds apart. A prompt whose last
-    message contains ``fail`` raises, the way an engine step failure reaches a consumer."""
+    message contains ``fail`` raises, the way an engine step failure reaches a consumer.
+    ``usage=False``: no prompt count, as ``RemoteEngine`` yields for a server that sends no
+    usage."""
 
     tokenizer = None
 
     def __init__(self, reply: str = "Hello there.", delay: float = 0.0, fail: str | None = None,
-                 max_model_len: int | None = 4096, sampling_defaults: dict[str, float | int] | None = None) -> None:
+                 max_model_len: int | None = 4096, sampling_defaults: dict[str, float | int] | None = None,
+                 usage: bool = True) -> None:
+        self.usage = usage
         self.reply = reply
         self.delay = delay
         self.fail = fail
@@ -109,7 +113,8 @@ class FakeEngine:
                 finished = reason is not None
                 completion = CompletionOutput(0, (text,), list(range(n)), None, None, reason, delta_text=delta,
                                               delta_token_ids=[i])
-                yield RequestOutput(rid, None, [0] * n_prompt, [completion], finished, 0, metrics)
+                yield RequestOutput(rid, None, [0] * n_prompt if self.usage else [], [completion], finished, 0,
+                                    metrics)
                 if finished:
                     return
         finally:

@@ -271,3 +271,63 @@ def _palette_commands(app):
     from localllm.tui.commands import ChatCommands
 
     return ChatCommands(app.screen)._commands()  # what the palette lists
+
+
+def _header(view) -> str:
+    return str(view.query_one(".header").render())
+
+
+async def test_token_counts_are_the_engines_own(engine):
+    """Each count is what the message adds to the prompt the engine runs, so the counts
+    shown add up to the gauge; the system prompt has its own."""
+    from localllm.tui.backend import ChatConfig
+
+    app = ChatApp(engine, probe=False, default_params=SHORT, config=ChatConfig(system_prompt="Answer briefly."))
+    async with app.run_test(size=SIZE) as pilot:
+        chat = app.active_chat
+        await send(pilot, chat, "What is the capital of France?")
+        await wait_until(pilot, lambda: not chat.generating, what="the first reply")
+        await send(pilot, chat, "And of Italy?")
+        await wait_until(pilot, lambda: not chat.generating, what="the second reply")
+        tok = engine.tokenizer
+        msgs = chat.prompt_messages()
+        system = len(tok.encode_chat(msgs[:1], add_generation_prompt=False))
+        first, second = len(tok.encode_chat(msgs[:2])), len(tok.encode_chat(msgs[:4]))
+        u1, a1, u2, a2 = chat.turns
+        # what the engine itself counted for each prompt (prompt_token_ids)
+        assert a1.meta["prompt_tokens"] == first and a2.meta["prompt_tokens"] == second
+        assert u1.meta == {"tokens": first - system}
+        assert u2.meta == {"tokens": second - first - a1.meta["tokens"]}
+        assert a2.meta["tokens"] <= SHORT["max_tokens"] and "estimated" not in a2.meta
+        assert chat.context() == (second + a2.meta["tokens"], False)
+        assert system + sum(t.meta["tokens"] for t in chat.turns) == chat.context_used()
+        system_view = chat.messages.query(".system").first()
+        assert f"{system} tok" in _header(system_view)
+        assert _header(chat.views[0]).endswith(f"{first - system} tok")
+        assert not any("~" in _header(v) for v in chat.views)
+        assert f"ctx {chat.context_used():,}/4,096" in app.status_text().plain
+
+
+async def test_remote_counts_come_from_the_servers_usage(engine, server, home):
+    from localllm.server.remote import RemoteEngine
+    from localllm.tui.backend import ChatConfig
+
+    endpoint = f"{server.url}/v1"
+    app = ChatApp(engine_factory=lambda model, progress: RemoteEngine(endpoint, model=model), endpoint=endpoint,
+                  default_params=SHORT, config=ChatConfig(system_prompt="Answer briefly."))
+    async with app.run_test(size=(140, 30)) as pilot:
+        await wait_until(pilot, lambda: app.engine is not None, what="the connection")
+        chat = app.active_chat
+        await send(pilot, chat, "What is the capital of France?")
+        # no tokenizer here: a guess until the server's usage arrives
+        assert chat.turns[0].meta.get("estimated")
+        await wait_until(pilot, lambda: not chat.generating, what="the reply")
+        u1, a1 = chat.turns
+        prompt = len(engine.tokenizer.encode_chat(  # the server's engine's tokenizer
+            chat.prompt_messages()[:2]))
+        # The server counts the system prompt and the first message as one prompt.
+        assert u1.meta == {"tokens": prompt, "with_system": True}
+        assert a1.meta["prompt_tokens"] == prompt and "estimated" not in a1.meta
+        assert _header(chat.views[0]).endswith(f"{prompt} tok with the system prompt")
+        assert "~" not in _header(chat.views[1])
+        assert f"ctx {prompt + a1.meta['tokens']:,}/" in app.status_text().plain

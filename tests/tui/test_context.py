@@ -32,11 +32,27 @@ async def test_token_counts_and_the_gauge() -> None:
         chat = app.active_chat
         await send(pilot, chat, "a b c")
         await wait_until(pilot, lambda: not chat.generating)
-        assert "12 tok" in _header(chat.views[1])
-        assert re.search(r"\d+ tok", _header(chat.views[0]))
-        # prompt (3 words + 4) and reply (12), as the engine counted them
+        # prompt (3 words + 4) and reply (12), as the engine counted them, not guessed
+        assert _header(chat.views[0]).endswith("You  7 tok")
+        assert "12 tok" in _header(chat.views[1]) and "~" not in _header(chat.views[1])
         assert chat.context_used() == 7 + 12
         assert "ctx 19/1,000" in app.status_text().plain
+        await send(pilot, chat, "d e")
+        await wait_until(pilot, lambda: not chat.generating)
+        # The second prompt is 7 + (12 + 4) + (2 + 4): the message added itself and the
+        # framing of the reply before it, and the gauge is the sum of the counts shown.
+        assert chat.turns[2].meta == {"tokens": 10} and chat.context() == (7 + 12 + 10 + 12, False)
+
+
+async def test_counts_without_a_servers_usage_are_marked_as_guesses() -> None:
+    engine = FakeEngine(_words(12), max_model_len=1000, usage=False)
+    app = ChatApp(engine, probe=False)
+    async with app.run_test(size=SIZE) as pilot:
+        chat = app.active_chat
+        await send(pilot, chat, "a b c")
+        await wait_until(pilot, lambda: not chat.generating)
+        assert "~" in _header(chat.views[0]) and "~12 tok" in _header(chat.views[1])
+        assert re.search(r"ctx ~\d+/1,000", app.status_text().plain)
 
 
 async def test_a_filling_chat_warns_once() -> None:

@@ -34,6 +34,69 @@ async def _palette(pilot, command: str) -> None:
     await pilot.press("enter")
 
 
+def _footer(app: ChatApp) -> tuple[list[str], list[str]]:
+    """The footer's labels left to right: those whole on screen, and those cut (under the
+    palette's key, which is docked right, or past the edge)."""
+    footer = app.query_one(Footer)
+    palette = footer.query_one(".-command-palette")
+    whole, cut = [], []
+    for node in footer.query("FooterKey, FooterLabel"):
+        if node is palette or node.has_class("-grouped"):
+            continue
+        region = node.region
+        fits = region.width and region.right <= palette.region.x
+        (whole if fits else cut).append(str(node.render()).split()[-1])
+    return whole, cut
+
+
+async def _footer_settles(pilot, app: ChatApp, *labels: str, may_cut: tuple[str, ...] = ()) -> list[str]:
+    """The whole labels once ``labels`` are among the footer's; only ``may_cut`` may be cut."""
+    await wait_until(pilot, lambda: all(x in sum(_footer(app), []) for x in labels), timeout=10,
+                     what=f"the footer to show {labels}")
+    whole, cut = _footer(app)
+    assert set(cut) <= set(may_cut), f"cut at 80 columns: {cut} (whole: {whole})"
+    return whole
+
+
+async def test_the_footer_fits_80_columns_with_the_basics_first_in_every_state() -> None:
+    engine = FakeEngine(" ".join(["w"] * 60), delay=0.05)
+    app = ChatApp(engine, probe=False)
+    basics = ["Tabs", "Newline", "Help", "Quit"]
+    async with app.run_test(size=(80, 24)) as pilot:
+        chat = app.active_chat
+        assert (await _footer_settles(pilot, app, "Newline", "New")) == [*basics, "New"]
+        await send(pilot, chat, "hello")
+        assert (await _footer_settles(pilot, app, "Newline", "Stop", "New")) == [*basics, "Stop", "New"]
+        await wait_until(pilot, lambda: chat.reply is not None and chat.reply.text, what="some text")
+        await pilot.press("escape")
+        await wait_until(pilot, lambda: not chat.generating)
+        shown = await _footer_settles(pilot, app, "Newline", "Retry", "on", "New")  # "Go on"
+        assert shown == [*basics, "Retry", "on", "New"]
+        chat.views[-1].focus()
+        shown = await _footer_settles(pilot, app, "Retry", "Copy", "Code", "on", "New")
+        assert shown == ["Tabs", "Help", "Quit", "Retry", "Copy", "Code", "on", "New"]  # one Retry: this reply's
+        await pilot.press("r")  # a second branch of this reply, left to finish
+        await wait_until(pilot, lambda: chat.generating)
+        await wait_until(pilot, lambda: not chat.generating)
+        chat.views[-1].focus()
+        shown = await _footer_settles(pilot, app, "Branch", "Code")
+        assert shown == ["Tabs", "Help", "Quit", "Retry", "Branch", "Copy", "Code", "New"]
+        chat.views[0].focus()
+        shown = await _footer_settles(pilot, app, "Edit", "Retry")
+        assert shown == ["Tabs", "Help", "Quit", "Edit", "Copy", "Retry", "New"]
+        chat.prompt.focus()
+        await pilot.press("ctrl+r")  # a third branch, stopped
+        await wait_until(pilot, lambda: chat.reply is not None and chat.reply.text, what="the third branch")
+        await pilot.press("escape")
+        await wait_until(pilot, lambda: not chat.generating)
+        chat.views[-1].focus()  # the widest state: only the pane's keys, which come last, may be cut
+        shown = await _footer_settles(pilot, app, "Branch", "Code", may_cut=("on", "New"))
+        assert shown[:7] == ["Tabs", "Help", "Quit", "Retry", "Branch", "Copy", "Code"]
+        chat.views[0].focus()
+        await pilot.press("e")  # editing: only what ends the edit
+        assert (await _footer_settles(pilot, app, "Newline", "Stop")) == [*basics, "Stop", "New"]
+
+
 async def test_f1_and_question_mark_open_the_key_help_and_the_footer_names_the_basics() -> None:
     app = ChatApp(FakeEngine(), probe=False)
     async with app.run_test(size=(80, 24)) as pilot:

@@ -149,7 +149,8 @@ async def test_copy_reply_and_any_code_block() -> None:
 
 
 async def test_tabs_stream_together_and_a_hidden_tab_catches_up() -> None:
-    engine = FakeEngine(" ".join(f"w{i}" for i in range(40)), delay=0.05)
+    # 7.5 s of reply: the first tab still streams when the second sends, even under load
+    engine = FakeEngine(" ".join(f"w{i}" for i in range(150)), delay=0.05)
     app = ChatApp(engine, probe=False)
     async with app.run_test(size=SIZE) as pilot:
         first = app.active_chat

@@ -787,6 +787,12 @@ class Bench:
                         await self.on_servers(measure, trial)
                 except PeerError as e:
                     self.skip(f"{measure} trial {trial + 1} failed: {e}")
+                except OSError as e:  # a server went away mid-trial (httpx/openai connection errors)
+                    self.skip(f"{measure} trial {trial + 1} failed: {type(e).__name__}: {e}")
+                except Exception as e:  # noqa: BLE001 - the openai client's own errors
+                    if type(e).__module__.split(".")[0] not in ("openai", "httpx", "httpcore"):
+                        raise
+                    self.skip(f"{measure} trial {trial + 1} failed: {type(e).__name__}: {e}")
         self.check_prompts()
 
     def check_prompts(self) -> None:

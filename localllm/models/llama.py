@@ -355,6 +355,11 @@ class Attention(nn.Module):
         # which turns the fused rotary + cache write into the plain write, exactly.
         self.k_rotation = torch.empty(0)
         self.no_rope = torch.empty(0)
+        # [KVH, D] fp32, subtracted from the rotated keys an FP8 cache stores: zeros, or their
+        # mean over the calibration prompt (quant/kv_cache.py, its only other writer). Exact:
+        # it moves every score of a query by the same q.k_offset, which softmax ignores, and
+        # leaves smaller numbers to round.
+        self.k_offset = torch.empty(0)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, meta: AttentionMetadata
@@ -377,7 +382,7 @@ class Attention(nn.Module):
             # "The FP8 KV cache"); the kernels see rotated q and k and nothing else changes. A
             # 16-bit or fp32 cache never comes here.
             q, k = rotary(q, k, positions, cos_sin)
-            q, k = (q.float() @ self.k_rotation).to(q.dtype), k.float() @ self.k_rotation
+            q, k = (q.float() @ self.k_rotation).to(q.dtype), k.float() @ self.k_rotation - self.k_offset
             positions, cos_sin = torch.zeros_like(positions), self.no_rope
         q = rotary_and_store_kv(q, k, v, positions, cos_sin, self.k_cache, self.v_cache, meta.slot_mapping,
                                 self.k_scale, self.v_scale)
@@ -480,8 +485,10 @@ class LlamaForCausalLM(nn.Module):
         half = self.config.head_dim // 2
         rotation = key_rotation(self.config.head_dim, self.device)
         no_rope = torch.cat((torch.ones(1, half), torch.zeros(1, half)), dim=-1).to(self.device)
+        offset = torch.zeros(self.config.num_kv_heads, self.config.head_dim, device=self.device)
         for layer in self.model.layers:
             layer.self_attn.k_rotation, layer.self_attn.no_rope = rotation, no_rope
+            layer.self_attn.k_offset = offset
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Returns the final hidden states [T, hidden]; ``compute_logits`` projects the rows

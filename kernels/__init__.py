@@ -15,7 +15,7 @@ from localllm.kernels.fp8_gemm import fp8_w8a8_gemm
 from localllm.kernels.int8_gemm import int8_w8a8_gemm, int8_w8a16_gemm
 from localllm.kernels.paged_attention import paged_attention
 from localllm.kernels.rmsnorm import rms_norm
-from localllm.kernels.rotary_kv import rotary_and_store_kv
+from localllm.kernels.rotary_kv import rotary, rotary_and_store_kv
 
 __all__ = [
     "awq_gemm",
@@ -24,6 +24,7 @@ __all__ = [
     "int8_w8a8_gemm",
     "paged_attention",
     "rms_norm",
+    "rotary",
     "rotary_and_store_kv",
     "silu_and_mul",
 ]

@@ -33,6 +33,15 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
+def rotary(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary half of ``rotary_and_store_kv`` alone, in torch (fp32 math, the inputs'
+    dtypes out), for a caller that transforms k between the rotary and the cache write."""
+    cos, sin = cos_sin_cache[positions].float().unsqueeze(1).chunk(2, dim=-1)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
 def _to_cache(x: torch.Tensor, cache: torch.Tensor, scale: ScaleArg) -> torch.Tensor:
     """Casts to the cache dtype; an FP8 cache stores x / scale, saturated to the format's range
     (a plain cast would turn outliers into NaN)."""
@@ -62,8 +71,7 @@ def rotary_and_store_kv_ref(
     rotated q. Slots are distinct within a call; a negative slot (padding) writes nothing.
     An FP8 cache receives ``k / k_scale`` and ``v / v_scale``."""
     # cos_sin_cache: [max_pos, head_dim], cos in the first half and sin in the second
-    cos, sin = cos_sin_cache[positions].float().unsqueeze(1).chunk(2, dim=-1)
-    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    q, k = rotary(q, k, positions, cos_sin_cache)
     num_kv_heads, head_dim = k_cache.shape[-2:]
     if bool((slot_mapping < 0).any()):
         keep = slot_mapping >= 0

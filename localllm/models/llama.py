@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from localllm.errors import LocalLLMError
-from localllm.kernels import paged_attention, rms_norm, rotary_and_store_kv, silu_and_mul
+from localllm.kernels import paged_attention, rms_norm, rotary, rotary_and_store_kv, silu_and_mul
 from localllm.kernels._triton import use_triton
 
 # HF architecture -> the model_type its config.json carries
@@ -298,6 +298,28 @@ def kv_scale_tensor(
     return t
 
 
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def key_rotation(head_dim: int, device: torch.device) -> torch.Tensor:
+    """The orthogonal [head_dim, head_dim] fp32 matrix R that an FP8 cache's keys are stored
+    rotated by (``k @ R``, after RoPE), with queries rotated alike: q.k = (q R).(k R).
+
+    A normalised Sylvester Hadamard matrix, block-diagonal over the largest power of two that
+    divides head_dim (all of it for 64 or 128). RoPE's low-frequency channels carry the large
+    keys, and the queries that read them are large there too, so a dot product over e4m3 keys
+    is dominated by the rounding of a few terms; rotated, every channel holds 1/sqrt(n) of
+    each, and the rounding errors of the n terms average out (QuaRot, SpinQuant). fp32 so that
+    it is orthogonal to fp32 precision for every head_dim (1/sqrt(128) is not exact in bf16).
+    """
+    n = head_dim & -head_dim  # largest power-of-two divisor
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    r = torch.block_diag(*[h / math.sqrt(n)] * (head_dim // n))
+    return r.to(device=device, dtype=torch.float32)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -328,6 +350,16 @@ class Attention(nn.Module):
         self.v_cache = torch.empty(0)
         self.k_scale: torch.Tensor | float = 1.0
         self.v_scale: torch.Tensor | float = 1.0
+        # Set by LlamaForCausalLM.init_rope, shared by all layers: the FP8 cache's key rotation
+        # (see key_rotation) and a rotary table that rotates nothing (position 0: cos 1, sin 0),
+        # which turns the fused rotary + cache write into the plain write, exactly.
+        self.k_rotation = torch.empty(0)
+        self.no_rope = torch.empty(0)
+        # [KVH, D] fp32, subtracted from the rotated keys an FP8 cache stores: zeros, or their
+        # mean over the calibration prompt (quant/kv_cache.py, its only other writer). Exact:
+        # it moves every score of a query by the same q.k_offset, which softmax ignores, and
+        # leaves smaller numbers to round.
+        self.k_offset = torch.empty(0)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, meta: AttentionMetadata
@@ -345,6 +377,13 @@ class Attention(nn.Module):
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.k_cache.dtype in FP8_KV_DTYPES:
+            # Keys are rotated after RoPE and before they are rounded to FP8 (docs/quantization.md,
+            # "The FP8 KV cache"); the kernels see rotated q and k and nothing else changes. A
+            # 16-bit or fp32 cache never comes here.
+            q, k = rotary(q, k, positions, cos_sin)
+            q, k = (q.float() @ self.k_rotation).to(q.dtype), k.float() @ self.k_rotation - self.k_offset
+            positions, cos_sin = torch.zeros_like(positions), self.no_rope
         q = rotary_and_store_kv(q, k, v, positions, cos_sin, self.k_cache, self.v_cache, meta.slot_mapping,
                                 self.k_scale, self.v_scale)
         o = paged_attention(
@@ -440,8 +479,16 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens.weight.dtype
 
     def init_rope(self, max_positions: int) -> None:
-        """Fills the rotary table; called after the weights are materialised on their device."""
+        """Fills the rotary table, and the FP8 cache's key rotation every attention layer
+        shares; called after the weights are materialised on their device."""
         self.cos_sin = rope_cos_sin(self.config, max_positions).to(self.device)
+        half = self.config.head_dim // 2
+        rotation = key_rotation(self.config.head_dim, self.device)
+        no_rope = torch.cat((torch.ones(1, half), torch.zeros(1, half)), dim=-1).to(self.device)
+        offset = torch.zeros(self.config.num_kv_heads, self.config.head_dim, device=self.device)
+        for layer in self.model.layers:
+            layer.self_attn.k_rotation, layer.self_attn.no_rope = rotation, no_rope
+            layer.self_attn.k_offset = offset
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Returns the final hidden states [T, hidden]; ``compute_logits`` projects the rows

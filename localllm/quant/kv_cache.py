@@ -1,16 +1,20 @@
 """Per-layer scales of an FP8 (e4m3) KV cache: 1.0 by default, as in vLLM, or calibrated.
 
-The cache stores ``K / k_scale`` and ``V / v_scale`` saturated to e4m3's +-448, one scale for
-K and one for V per layer; the attention kernels fold the scales back in. With 1.0 the cache
-holds the values as they are: e4m3 keeps 3 mantissa bits from 2^-6 to 448, and the default
-model's keys reach ~24 and its values ~18, so nothing saturates, but the few values under
-2^-6 lose precision.
+The cache stores ``(K R - k_offset) / k_scale`` and ``V / v_scale`` saturated to e4m3's +-448,
+one scale for K and one for V per layer, where R is the model's key rotation (``key_rotation``
+in models/llama.py: the keys after RoPE, rotated by a normalised Hadamard matrix, as the
+queries are) and k_offset a per-layer [kv_heads, head_dim] vector (zeros unless calibrated;
+softmax ignores it); the attention kernels fold the scales back in. With 1.0 the cache holds the values as
+they are: e4m3 keeps 3 mantissa bits from 2^-6 to 448, and the default model's rotated keys
+reach ~12 and its values ~18, so nothing saturates, but the few values under 2^-6 lose
+precision.
 
 Calibration (``calculate_kv_scales``) runs one prefill of ``calibration_prompt`` over a
-private full-precision pool, reads each layer's largest |K| (after rotary, what the cache
-stores) and |V| from that pool, and sets ``scale = max / (448 / HEADROOM)``: the calibration
-prompt's largest value lands at 448 / HEADROOM, so a later prompt may run HEADROOM times
-larger before it saturates, and small values move out of the subnormal range.
+private full-precision pool, sets each layer's k_offset to the mean of its K R there (the
+large channels of RoPE'd keys are mostly a steady offset), reads the largest |K R - k_offset|
+(what an FP8 cache stores) and |V| from that pool, and sets ``scale = max / (448 / HEADROOM)``: the calibration prompt's largest value lands at
+448 / HEADROOM, so a later prompt may run HEADROOM times larger before it saturates, and
+small values move out of the subnormal range.
 """
 
 from __future__ import annotations
@@ -49,7 +53,9 @@ def calibration_prompt(tokenizer: Tokenizer) -> list[int]:
 @torch.inference_mode()
 def calibrate_kv_scales(model: LlamaForCausalLM, token_ids: Sequence[int]) -> list[tuple[float, float]]:
     """(k_scale, v_scale) per layer from one prefill of ``token_ids`` (cut to the positions the
-    model's rotary table covers).
+    model's rotary table covers). Also sets each attention layer's ``k_offset`` to the mean of
+    its rotated keys there, which an FP8 cache subtracts before it stores them; the scales are
+    those of the keys so centred.
 
     The prefill writes into a private pool (fp32 on CPU, the model dtype elsewhere) that this
     function attaches to the model; the caller attaches the engine's pool afterwards.
@@ -64,7 +70,12 @@ def calibrate_kv_scales(model: LlamaForCausalLM, token_ids: Sequence[int]) -> li
     batch = prefill_batch([list(token_ids)], dev)
     model(batch.input_ids, batch.positions, batch.meta)
     layers = pool.kv.shape[1]
-    written = pool.kv.reshape(2, layers, -1, *pool.kv.shape[-2:])[:, :, :n]  # contiguous slots 0..n-1
-    amax = written.abs().float().amax(dim=(2, 3, 4)).clamp(min=1e-6)  # [2, layers]
+    k, v = pool.kv.reshape(2, layers, -1, *pool.kv.shape[-2:])[:, :, :n].float()  # contiguous slots 0..n-1
+    k = k @ model.model.layers[0].self_attn.k_rotation  # this pool holds them unrotated; an FP8 one rotated
+    offsets = k.mean(dim=1)  # [layers, KVH, D]
+    k = k - offsets[:, None]
+    for layer, offset in zip(model.model.layers, offsets):
+        layer.self_attn.k_offset = offset.contiguous()
+    amax = torch.stack([x.abs().amax(dim=(1, 2, 3)) for x in (k, v)]).clamp(min=1e-6)  # [2, layers]
     scales = (amax * HEADROOM / FP8_MAX).t().tolist()
     return [(k, v) for k, v in scales]

@@ -604,7 +604,10 @@ def plain_greedy(llm: LLMEngine, prompt_ids: list[int], n_tokens: int) -> tuple[
     if not llm.block_manager.allocate(seq, total):
         raise RuntimeError("the KV pool is too small for the plain loop")
     try:
-        table = torch.tensor([seq.block_table], dtype=torch.int32)
+        # the table as wide as the runner's static one, so a compiled decode sees the shapes it
+        # was compiled for (another width would make Dynamo compile a graph for this loop)
+        table = torch.zeros(1, runner.max_blocks_per_seq, dtype=torch.int32)
+        table[0, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
         pos = torch.arange(total, dtype=torch.int64)
         slots = (table[0].long()[pos // bs] * bs + pos % bs).to(dev)
         pos = pos.to(dev)

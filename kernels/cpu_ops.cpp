@@ -75,6 +75,24 @@ inline float fast_exp(float x) {
   return p * __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
 }
 
+// The online-softmax step of one head over a block of n scores p (in place: they become the
+// block's weights): the running max m and sum l move on; returns the factor the accumulator
+// is rescaled by (0 on the first block, where m = -inf).
+inline float softmax_block(float* p, int64_t n, float& m, float& l) {
+  float mx = m;
+  for (int64_t i = 0; i < n; ++i) mx = std::max(mx, p[i]);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) {
+    p[i] = fast_exp(p[i] - mx);
+    sum += p[i];
+  }
+  const float corr = fast_exp(m - mx);
+  l = l * corr + sum;
+  m = mx;
+  return corr;
+}
+
 // One (query token, KV head, key range) of attention: the G query heads of the KV head
 // read each key and value row once. Returns the running max and sum of exp; acc holds the
 // unnormalised output. Templated on G so the per-key loops over the heads unroll.
@@ -105,18 +123,7 @@ void attend_range(const float* qrow, const float* kc, const float* vc, const int
       for (int g = 0; g < G; ++g) p[g][i] = s[g];
     }
     for (int g = 0; g < G; ++g) {
-      float mx = m[g];
-      for (int64_t i = 0; i < n; ++i) mx = std::max(mx, p[g][i]);
-      float sum = 0.f;
-      float* pg = p[g];
-#pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < n; ++i) {
-        pg[i] = fast_exp(pg[i] - mx);
-        sum += pg[i];
-      }
-      const float corr = fast_exp(m[g] - mx);  // 0 on the first block (m = -inf)
-      l[g] = l[g] * corr + sum;
-      m[g] = mx;
+      const float corr = softmax_block(p[g], n, m[g], l[g]);
       float* a = acc[g];
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) a[d] *= corr;
@@ -154,6 +161,33 @@ inline float hsum16(vf16 v) {
   return c[0] + c[1];
 }
 
+// One block of n keys (kb, vb: its first K and V rows) for the G heads of one query, whose
+// scaled query q and accumulator acc are vector arrays the caller keeps (in registers when
+// the caller is a loop over blocks, as below).
+template <int G, int C>
+inline void attend_block_fixed(const vf16 (&q)[G][C], vf16 (&acc)[G][C], const float* kb, const float* vb,
+                               int64_t n, int64_t row, float* m, float* l, float (*p)[kMaxBlock]) {
+  for (int64_t i = 0; i < n; ++i) {
+    vf16 k[C];
+    for (int c = 0; c < C; ++c) k[c] = load16(kb + i * row + 16 * c);
+    for (int g = 0; g < G; ++g) {
+      vf16 t = q[g][0] * k[0];
+      for (int c = 1; c < C; ++c) t += q[g][c] * k[c];
+      p[g][i] = hsum16(t);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const float corr = softmax_block(p[g], n, m[g], l[g]);
+    for (int c = 0; c < C; ++c) acc[g][c] *= corr;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    vf16 v[C];
+    for (int c = 0; c < C; ++c) v[c] = load16(vb + i * row + 16 * c);
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < C; ++c) acc[g][c] += p[g][i] * v[c];
+  }
+}
+
 template <int G, int D>
 void attend_range_fixed(const float* qrow, const float* kc, const float* vc, const int32_t* table,
                         int64_t key_begin, int64_t key_end, int64_t block_size, int64_t row, int64_t,
@@ -168,38 +202,8 @@ void attend_range_fixed(const float* qrow, const float* kc, const float* vc, con
   for (int64_t start = key_begin; start < key_end;) {
     const int64_t blk = table[start / block_size], off = start % block_size;
     const int64_t n = std::min(block_size - off, key_end - start);
-    const float* kb = kc + (blk * block_size + off) * row;
-    const float* vb = vc + (blk * block_size + off) * row;
-    for (int64_t i = 0; i < n; ++i) {
-      vf16 k[C];
-      for (int c = 0; c < C; ++c) k[c] = load16(kb + i * row + 16 * c);
-      for (int g = 0; g < G; ++g) {
-        vf16 t = q[g][0] * k[0];
-        for (int c = 1; c < C; ++c) t += q[g][c] * k[c];
-        p[g][i] = hsum16(t);
-      }
-    }
-    for (int g = 0; g < G; ++g) {
-      float mx = m[g];
-      for (int64_t i = 0; i < n; ++i) mx = std::max(mx, p[g][i]);
-      float sum = 0.f;
-      float* pg = p[g];
-#pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < n; ++i) {
-        pg[i] = fast_exp(pg[i] - mx);
-        sum += pg[i];
-      }
-      const float corr = fast_exp(m[g] - mx);  // 0 on the first block (m = -inf)
-      l[g] = l[g] * corr + sum;
-      m[g] = mx;
-      for (int c = 0; c < C; ++c) acc[g][c] *= corr;
-    }
-    for (int64_t i = 0; i < n; ++i) {
-      vf16 v[C];
-      for (int c = 0; c < C; ++c) v[c] = load16(vb + i * row + 16 * c);
-      for (int g = 0; g < G; ++g)
-        for (int c = 0; c < C; ++c) acc[g][c] += p[g][i] * v[c];
-    }
+    const int64_t first = (blk * block_size + off) * row;
+    attend_block_fixed<G, C>(q, acc, kc + first, vc + first, n, row, m, l, p);
     start += n;
   }
   for (int g = 0; g < G; ++g)
@@ -210,7 +214,7 @@ void attend_range_fixed(const float* qrow, const float* kc, const float* vc, con
 // j sees keys [0, keys0 + j). Each key block is read from memory once for all of them (then
 // from L1), where one item per query token read the whole context once per token. The
 // running max, sum and accumulator of each (query, head) live in m, l [nq, G] and acc
-// [nq, G, D].
+// [nq, G, D] between blocks.
 template <int G, int D>
 void attend_multi_fixed(const float* q0, int64_t q_stride, int64_t nq, int64_t keys0, const float* kc,
                         const float* vc, const int32_t* table, int64_t key_begin, int64_t key_end,
@@ -222,48 +226,20 @@ void attend_multi_fixed(const float* q0, int64_t q_stride, int64_t nq, int64_t k
   for (int64_t start = key_begin; start < key_end;) {
     const int64_t blk = table[start / block_size], off = start % block_size;
     const int64_t n = std::min(block_size - off, key_end - start);
-    const float* kb = kc + (blk * block_size + off) * row;
-    const float* vb = vc + (blk * block_size + off) * row;
+    const int64_t first = (blk * block_size + off) * row;
     for (int64_t j = 0; j < nq; ++j) {
       const int64_t nj = std::min<int64_t>(n, keys0 + j - start);  // causal: this block's keys query j sees
       if (nj <= 0) continue;
-      vf16 q[G][C];
+      vf16 q[G][C], a[G][C];
+      float* aj = acc + j * G * D;
       for (int g = 0; g < G; ++g)
-        for (int c = 0; c < C; ++c) q[g][c] = load16(q0 + j * q_stride + g * D + 16 * c) * scale;
-      for (int64_t i = 0; i < nj; ++i) {
-        vf16 k[C];
-        for (int c = 0; c < C; ++c) k[c] = load16(kb + i * row + 16 * c);
-        for (int g = 0; g < G; ++g) {
-          vf16 t = q[g][0] * k[0];
-          for (int c = 1; c < C; ++c) t += q[g][c] * k[c];
-          p[g][i] = hsum16(t);
+        for (int c = 0; c < C; ++c) {
+          q[g][c] = load16(q0 + j * q_stride + g * D + 16 * c) * scale;
+          a[g][c] = load16(aj + g * D + 16 * c);
         }
-      }
-      vf16 a[G][C];
-      for (int g = 0; g < G; ++g) {
-        float& mg = m[j * G + g];
-        float mx = mg;
-        for (int64_t i = 0; i < nj; ++i) mx = std::max(mx, p[g][i]);
-        float sum = 0.f;
-        float* pg = p[g];
-#pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < nj; ++i) {
-          pg[i] = fast_exp(pg[i] - mx);
-          sum += pg[i];
-        }
-        const float corr = fast_exp(mg - mx);
-        l[j * G + g] = l[j * G + g] * corr + sum;
-        mg = mx;
-        for (int c = 0; c < C; ++c) a[g][c] = load16(acc + (j * G + g) * D + 16 * c) * corr;
-      }
-      for (int64_t i = 0; i < nj; ++i) {
-        vf16 v[C];
-        for (int c = 0; c < C; ++c) v[c] = load16(vb + i * row + 16 * c);
-        for (int g = 0; g < G; ++g)
-          for (int c = 0; c < C; ++c) a[g][c] += p[g][i] * v[c];
-      }
+      attend_block_fixed<G, C>(q, a, kc + first, vc + first, nj, row, m + j * G, l + j * G, p);
       for (int g = 0; g < G; ++g)
-        for (int c = 0; c < C; ++c) std::memcpy(acc + (j * G + g) * D + 16 * c, &a[g][c], sizeof(vf16));
+        for (int c = 0; c < C; ++c) std::memcpy(aj + g * D + 16 * c, &a[g][c], sizeof(vf16));
     }
     start += n;
   }

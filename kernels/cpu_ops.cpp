@@ -554,6 +554,25 @@ inline __m256i madd_u8s8(__m256i acc, __m256i w, __m256i x) {
 // 4 KB page, would restart cold on every one of them.
 constexpr int64_t kPrefetchBytes = 1024;
 
+// The float part of one block, for either register width (GCC's vector operators; a * b + c
+// contracts to an FMA): per row, d (sum over levels of dx * codes dot) + c (sum over levels
+// of dx * code sum), into the row's accumulator.
+template <int TM, int L, int A, class VI32, class VI, class VF>
+inline void finish_block(const VI (&isum)[TM * L][A], const float* const (&dxrow)[TM * L], const float* xs, int64_t nb,
+                         int64_t b, VF dv, VF cv, VF (&acc)[TM]) {
+  for (int m = 0; m < TM; ++m) {
+    VF f = {};
+    for (int lv = 0; lv < L; ++lv) {
+      const int r = lv * TM + m;
+      VI32 sum = reinterpret_cast<const VI32&>(isum[r][0]);
+      for (int a = 1; a < A; ++a) sum += reinterpret_cast<const VI32&>(isum[r][a]);
+      f = __builtin_convertvector(sum, VF) * dxrow[r][b] + f;
+    }
+    acc[m] = f * dv + acc[m];
+    acc[m] = cv * xs[m * nb + b] + acc[m];
+  }
+}
+
 // Output tile [tile t] x activation rows [m0, m0 + TM), in L levels: R = L * TM chains, each
 // split in A accumulators (even and odd chunks when there are few chains) so that at least
 // ~4 multiply-add chains are in flight.
@@ -614,18 +633,7 @@ void gguf_tile(const uint8_t* codes, const uint16_t* dh, const uint16_t* ch, int
     }
     const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dh + b * kTileN)));
     const __m256 cv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ch + b * kTileN)));
-    // per row: d (sum over levels of dx * codes dot) + c (sum over levels of dx * code sum)
-    for (int m = 0; m < TM; ++m) {
-      __m256 f = _mm256_setzero_ps();
-      for (int lv = 0; lv < L; ++lv) {
-        const int r = lv * TM + m;
-        __m256i s = isum[r][0];
-        for (int a = 1; a < A; ++a) s = _mm256_add_epi32(s, isum[r][a]);
-        f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(dxrow[r][b]), f);
-      }
-      acc[m] = _mm256_fmadd_ps(f, dv, acc[m]);
-      acc[m] = _mm256_fmadd_ps(cv, _mm256_set1_ps(xs[(m0 + m) * nb + b]), acc[m]);
-    }
+    finish_block<TM, L, A, __v8si>(isum, dxrow, xs + m0 * nb, nb, b, dv, cv, acc);
   }
   for (int m = 0; m < TM; ++m) _mm256_storeu_ps(y + (m0 + m) * N + n0, acc[m]);
 }
@@ -722,17 +730,7 @@ void gguf_tile_pair(const uint8_t* codes, const uint16_t* dh, const uint16_t* ch
     const __m512 dv = halves(dh + b * kTileN, dh1 + b * kTileN);
     __m512 cv = halves(ch + b * kTileN, ch1 + b * kTileN);
     if constexpr (Q8) cv = _mm512_fmadd_ps(dv, _mm512_set1_ps(-128.f), cv);
-    for (int m = 0; m < TM; ++m) {
-      __m512 f = _mm512_setzero_ps();
-      for (int lv = 0; lv < L; ++lv) {
-        const int r = lv * TM + m;
-        __m512i sum = isum[r][0];
-        for (int a = 1; a < A; ++a) sum = _mm512_add_epi32(sum, isum[r][a]);
-        f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(dxrow[r][b]), f);
-      }
-      acc[m] = _mm512_fmadd_ps(f, dv, acc[m]);
-      acc[m] = _mm512_fmadd_ps(cv, _mm512_set1_ps(xs[(m0 + m) * nb + b]), acc[m]);
-    }
+    finish_block<TM, L, A, __v16si>(isum, dxrow, xs + m0 * nb, nb, b, dv, cv, acc);
   }
   for (int m = 0; m < TM; ++m) _mm512_storeu_ps(y + (m0 + m) * N + n0, acc[m]);
 }

@@ -6,6 +6,11 @@ Design (vLLM's automatic prefix caching):
 - A block whose ref count drops to zero goes to the tail of the free queue but keeps its hash:
   it stays a cache hit until the queue hands it out again from the head (LRU). Sequences free
   their blocks tail first, so a sequence's last blocks are evicted before its shared prefix.
+- Token-level reuse inside a block (SGLang's radix tree does this; vLLM recomputes the rest):
+  ``tails`` maps a parent hash to the latest block that followed it, a full one or a finished
+  sequence's partly written last block. A prompt that matches that block for k < block_size
+  tokens (a repeated prompt, the next turn of a chat) gets a fresh block and the copy of the
+  k slots, so only the tokens after them are computed: a repeated prompt computes one token.
 """
 
 from __future__ import annotations
@@ -19,25 +24,35 @@ NO_HASH = -1
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+    """``token_ids``: the tokens whose KV the block holds, recorded while that stays true (a
+    hashed full block, or a ``tails`` entry); empty otherwise. ``parent``: the hash of the
+    block before it, for its ``tails`` entry."""
+
+    __slots__ = ("block_id", "ref_count", "hash", "parent", "token_ids")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
         self.hash = NO_HASH
+        self.parent = NO_HASH
         self.token_ids: tuple[int, ...] = ()
 
 
 class PrefixMatch(NamedTuple):
+    """Full cached blocks, then optionally the first ``num_tokens - len(block_ids) * block_size``
+    slots of block ``copy_from``, which the sequence's next block gets a copy of."""
+
     block_ids: list[int]
     block_hashes: list[int]
     num_tokens: int
+    copy_from: int = -1
 
 
 class BlockManager:
     """Invariants: every block is either referenced (ref_count > 0) or in ``free_queue``;
-    ``cached`` maps a hash to a block holding exactly those tokens; the sum of all ref counts
-    equals the number of block-table entries of live sequences."""
+    ``cached`` maps a hash to a block holding exactly those tokens; ``tails`` maps a parent hash
+    to a block whose ``token_ids`` it holds the KV of; the sum of all ref counts equals the
+    number of block-table entries of live sequences."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         assert num_blocks > 0 and block_size > 0
@@ -46,6 +61,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[int, int] = {}
+        self.tails: dict[int, int] = {}
 
     # ---- accounting ----
 
@@ -68,7 +84,8 @@ class BlockManager:
     # ---- prefix cache ----
 
     def match_prefix(self, seq: Sequence) -> PrefixMatch:
-        """Longest run of cached full blocks at the start of ``seq``. At least one token is
+        """Longest run of cached full blocks at the start of ``seq``, then the longest common
+        start of the next block with the ``tails`` block after them. At least one token is
         always left to compute, because the last prompt token's logits are needed."""
         if not self.enable_prefix_caching:
             return PrefixMatch([], [], 0)
@@ -87,7 +104,18 @@ class BlockManager:
             ids.append(block_id)
             hashes.append(h)
             parent = h
-        return PrefixMatch(ids, hashes, len(ids) * bs)
+        start = len(ids) * bs
+        tail = self.tails.get(parent)
+        if tail is not None:
+            stored = self.blocks[tail].token_ids
+            k = 0
+            for a, b in zip(stored, tokens[start : seq.num_tokens - 1]):
+                if a != b:
+                    break
+                k += 1
+            if k:
+                return PrefixMatch(ids, hashes, start + k, tail)
+        return PrefixMatch(ids, hashes, start)
 
     # ---- allocation ----
 
@@ -121,27 +149,42 @@ class BlockManager:
     def _pop_free(self) -> int:
         block_id, _ = self.free_queue.popitem(last=False)
         block = self.blocks[block_id]
-        if block.hash != NO_HASH:  # evict: its KV is about to be overwritten
+        if block.token_ids:  # evict: its KV is about to be overwritten
             if self.cached.get(block.hash) == block_id:
                 del self.cached[block.hash]
-            block.hash, block.token_ids = NO_HASH, ()
+            if self.tails.get(block.parent) == block_id:
+                del self.tails[block.parent]
+            block.hash, block.parent, block.token_ids = NO_HASH, NO_HASH, ()
         block.ref_count = 1
         return block_id
 
     def free(self, seq: Sequence) -> None:
-        """Releases the sequence's blocks, tail first, so its prefix outlives its tail."""
+        """Releases the sequence's blocks, tail first, so its prefix outlives its tail. A
+        partly computed last block is kept as a ``tails`` entry."""
+        self._keep_tail(seq)
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1
             assert block.ref_count >= 0
             if block.ref_count == 0:
-                if block.hash == NO_HASH:
+                if not block.token_ids:
                     self.free_queue[block_id] = None
                     self.free_queue.move_to_end(block_id, last=False)  # worthless: reuse first
                 else:
                     self.free_queue[block_id] = None
         seq.block_table = []
         seq.block_hashes = []
+
+    def _keep_tail(self, seq: Sequence) -> None:
+        j, k = divmod(seq.num_computed_tokens, self.block_size)
+        if not self.enable_prefix_caching or k == 0 or j >= len(seq.block_table) or len(seq.block_hashes) != j:
+            return
+        block = self.blocks[seq.block_table[j]]
+        if block.ref_count != 1 or block.token_ids:
+            return
+        block.parent = seq.block_hashes[j - 1] if j else NO_HASH
+        block.token_ids = tuple(seq.token_ids[j * self.block_size : seq.num_computed_tokens])
+        self.tails[block.parent] = block.block_id
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Registers every block of ``seq`` that became full with computed tokens."""
@@ -154,17 +197,20 @@ class BlockManager:
         parent = hashes[-1] if hashes else NO_HASH
         for i in range(len(hashes), num_full):
             chunk = tuple(tokens[i * bs : (i + 1) * bs])
+            parent_of = parent
             h = hash((parent, chunk))
             hashes.append(h)
             parent = h
             block = self.blocks[seq.block_table[i]]
             if block.hash == NO_HASH:
-                block.hash, block.token_ids = h, chunk
+                block.hash, block.parent, block.token_ids = h, parent_of, chunk
                 # A duplicate (two sequences computed the same block at once) stays private.
                 self.cached.setdefault(h, block.block_id)
+                self.tails[parent_of] = block.block_id
 
     def reset_prefix_cache(self) -> None:
         for block_id in self.free_queue:
             block = self.blocks[block_id]
-            block.hash, block.token_ids = NO_HASH, ()
+            block.hash, block.parent, block.token_ids = NO_HASH, NO_HASH, ()
         self.cached = {h: b for h, b in self.cached.items() if self.blocks[b].ref_count > 0}
+        self.tails = {p: b for p, b in self.tails.items() if self.blocks[b].ref_count > 0}

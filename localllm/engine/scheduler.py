@@ -24,12 +24,15 @@ from localllm.engine.sequence import Sequence, SequenceStatus
 
 
 class ScheduledBatch(NamedTuple):
-    """``seqs[i]`` computes ``num_new_tokens[i]`` tokens; decodes (one token) come first."""
+    """``seqs[i]`` computes ``num_new_tokens[i]`` tokens; decodes (one token) come first.
+    ``block_copies``: (source, destination) KV blocks to copy before the forward pass (the
+    partial-block prefix hits of newly admitted sequences)."""
 
     seqs: list[Sequence]
     num_new_tokens: list[int]
     num_decodes: int
     preempted: list[Sequence]
+    block_copies: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -57,6 +60,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         chosen: list[tuple[Sequence, int]] = []
         preempted: list[Sequence] = []
+        copies: list[tuple[int, int]] = []
 
         # running first: decodes and the remaining chunks of partly prefilled prompts
         i = 0
@@ -83,6 +87,9 @@ class Scheduler:
             if not self.block_manager.allocate(seq, prefix.num_tokens + n, prefix):
                 break
             self.waiting.popleft()
+            if prefix.copy_from >= 0:
+                # the source may be handed out again in this very step: the copy runs first
+                copies.append((prefix.copy_from, seq.block_table[len(prefix.block_ids)]))
             seq.num_computed_tokens = prefix.num_tokens
             if seq.num_cached_tokens < 0:
                 seq.num_cached_tokens = prefix.num_tokens
@@ -93,7 +100,7 @@ class Scheduler:
 
         chosen.sort(key=lambda item: item[1] != 1)  # stable: decodes first, order kept
         num_decodes = sum(1 for _, n in chosen if n == 1)
-        return ScheduledBatch([s for s, _ in chosen], [n for _, n in chosen], num_decodes, preempted)
+        return ScheduledBatch([s for s, _ in chosen], [n for _, n in chosen], num_decodes, preempted, tuple(copies))
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute-style preemption: drop the KV, keep the tokens, requeue at the front.

@@ -35,6 +35,7 @@ def test_default_model_compiled_matches_eager(default_model_path: Path, compilin
     assert eager.engine.precision.startswith("gguf")  # the CPU default for a GGUF file
     compiled = LLM(str(default_model_path), device="cpu", compile=True)
     assert compiled.engine.runner._decode_gives_logits  # the compiled decode path is in use
+    assert set(compiled.engine.runner._unguarded) == {1, 2}  # called without Dynamo's guards
     assert _tokens(compiled) == _tokens(eager)
 
 

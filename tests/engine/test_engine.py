@@ -133,6 +133,18 @@ def test_shared_prefix_is_reused_and_output_unchanged(default_model_path) -> Non
     reference = cold.generate([prefix + tok.encode(" Question two: is 12 even?")], params)[0]
     assert reference.num_cached_tokens == 0
     assert second.outputs[0].token_ids == reference.outputs[0].token_ids
+    # the same prompt again: everything but its last token comes from the cache, the tokens
+    # inside the last partial block too (copied from the block the first run left)
+    repeat = prefix + tok.encode(" Question three: is the number 12 odd or even?")
+    assert len(repeat) % engine.block_manager.block_size > 1  # a partial last block to reuse
+    once, again = (engine.generate([repeat], params)[0] for _ in range(2))
+    assert again.num_cached_tokens == len(repeat) - 1 > once.num_cached_tokens
+    assert again.outputs[0].token_ids == once.outputs[0].token_ids == cold.generate([repeat], params)[0].outputs[0].token_ids
+    # the next turn of the first chat: its prompt, its reply, a new question
+    turn = list(first.prompt_token_ids) + list(first.outputs[0].token_ids) + tok.encode(" And 9?")
+    nxt = engine.generate([turn], params)[0]
+    assert nxt.num_cached_tokens == len(first.prompt_token_ids) + len(first.outputs[0].token_ids) - 1
+    assert nxt.outputs[0].token_ids == cold.generate([turn], params)[0].outputs[0].token_ids
 
 
 async def test_async_engine_streams_and_aborts_on_cancel(small_pool_engine: LLMEngine) -> None:

@@ -337,6 +337,19 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   const float* kc = k_cache.data_ptr<float>();
   const float* vc = v_cache.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
+  float* op = out.data_ptr<float>();
+  // One slice (decodes of short contexts, most batches): a work item holds its rows' whole
+  // softmax, so it writes the normalised rows itself and the merge pass is skipped.
+  const bool direct = splits == 1;
+  const auto write_row = [&](int64_t b, int64_t j, int64_t kvh, const float* acc, int64_t acc_stride,
+                             const float* l) {
+    float* orow = op + (qs[b] + j) * H * D + kvh * G * D;
+    for (int64_t g = 0; g < G; ++g) {
+      const float inv = 1.f / l[g];
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) orow[g * D + d] = acc[g * acc_stride + d] * inv;
+    }
+  };
 
   at::parallel_for(0, num_seqs * KVH * splits, 1, [&](int64_t begin, int64_t end) {
     float acc[kMaxGroup][kMaxHeadDim];
@@ -352,6 +365,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
       if (nq > 1 && attend_multi != nullptr) {
         attend_multi(q0, H * D, nq, keys0, kc + kvh * D, vc + kvh * D, tb + b * W, k0, std::max(k0, k1),
                      block_size, row, fscale, mm.data(), ml.data(), macc.data());
+        if (direct) {
+          for (int64_t j = 0; j < nq; ++j) write_row(b, j, kvh, &macc[j * G * D], D, &ml[j * G]);
+          continue;
+        }
         for (int64_t j = 0; j < nq; ++j) {
           std::copy(&mm[j * G], &mm[j * G] + G, &part_m[part(j) * G]);
           std::copy(&ml[j * G], &ml[j * G] + G, &part_l[part(j) * G]);
@@ -369,11 +386,15 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
         }
         attend(q0 + j * H * D, kc + kvh * D, vc + kvh * D, tb + b * W, k0, kj, block_size, row, D, fscale, pm,
                pl, acc, p);
+        if (direct) {
+          write_row(b, j, kvh, acc[0], kMaxHeadDim, pl);
+          continue;
+        }
         for (int64_t g = 0; g < G; ++g) std::copy(acc[g], acc[g] + D, &part_acc[(part(j) * G + g) * D]);
       }
     }
   });
-  float* op = out.data_ptr<float>();
+  if (direct) return out;
   at::parallel_for(0, num_toks * KVH, 1, [&](int64_t begin, int64_t end) {
     for (int64_t tk = begin; tk < end; ++tk) {
       const int64_t t = tk / KVH, kvh = tk % KVH;
@@ -758,11 +779,16 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   const int64_t M = x.size(0), K = x.size(1), tiles = codes.size(0), nb = codes.size(1), N = tiles * kTileN;
   TORCH_CHECK(K == nb * 32 && codes.size(2) == code_bytes(type), "x does not match the packed weight");
   const auto xc = x.contiguous();
-  auto xq = at::empty({levels, M, K}, at::kChar);
-  auto xd = at::empty({levels, M, nb}, at::kFloat);
-  auto xs = at::empty({M, nb}, at::kFloat);
-  quantize_rows(xc.data_ptr<float>(), M, K, levels, xq.data_ptr<int8_t>(), xd.data_ptr<float>(),
-                xs.data_ptr<float>());
+  // The quantized activations live in per-thread scratch that only grows: a decode step makes
+  // ~120 of these calls, and three tensor allocations each were ~0.3 ms of it.
+  thread_local std::vector<int8_t> xq_buf;
+  thread_local std::vector<float> xf_buf;
+  xq_buf.resize(std::max<size_t>(xq_buf.size(), levels * M * K));
+  xf_buf.resize(std::max<size_t>(xf_buf.size(), (levels + 1) * M * nb));
+  int8_t* xqp = xq_buf.data();
+  float* xdp = xf_buf.data();
+  float* xsp = xdp + levels * M * nb;
+  quantize_rows(xc.data_ptr<float>(), M, K, levels, xqp, xdp, xsp);
   auto y = at::empty({M, N}, at::kFloat);
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
@@ -771,9 +797,6 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   const int64_t m_tiles = (M + kTileM - 1) / kTileM, tail = M - (m_tiles - 1) * kTileM;
   const TileFn full = pick_tile_rows(kTileM, levels, q8, std::make_integer_sequence<int, kTileM>{});
   const TileFn last = pick_tile_rows(tail, levels, q8, std::make_integer_sequence<int, kTileM>{});
-  const int8_t* xqp = xq.data_ptr<int8_t>();
-  const float* xdp = xd.data_ptr<float>();
-  const float* xsp = xs.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   // Work units: pairs of tiles where the CPU has 512-bit VNNI (the last tile of an odd count
   // alone), else single tiles; m tiles innermost, so a thread reuses its weight tiles (from

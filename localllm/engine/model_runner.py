@@ -213,9 +213,7 @@ class ModelRunner:
         """Compiles the decode step now, for batch 1 and for any larger batch (one dynamic
         graph), so no request pays it. Inductor's cache on disk makes later starts take
         seconds; the first start on a machine takes ~1 minute and says so."""
-        from localllm.kernels.cpu_ops import compiled_cache_dir
-
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compiled_cache_dir() / "inductor"))
+        _use_our_inductor_cache()
         # cpp_wrapper: the graph's ~30 x 25 kernel calls run from generated C++, not from a
         # generated Python function (measured: median step 36 -> 24 ms under load)
         cpp_wrapper = os.environ.get("LOCALLLM_CPP_WRAPPER", "1") != "0"
@@ -283,6 +281,23 @@ def _decode_logits(
     graph input)."""
     meta = AttentionMetadata(slots, query_start_loc, seq_lens, block_tables, input_ids.shape[0])
     return model.compute_logits(model(input_ids, positions, meta))
+
+
+def _use_our_inductor_cache() -> None:
+    """Points Inductor's on-disk cache at ours (``compiled_cache_dir()/inductor``) unless the
+    user chose one. Importing Dynamo fills ``TORCHINDUCTOR_CACHE_DIR`` with torch's default,
+    a folder in /tmp that a reboot empties, so that default is replaced too: a cold cache
+    costs the first start minutes of compiling."""
+    from localllm.kernels.cpu_ops import compiled_cache_dir
+
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        torch_default = os.path.abspath(default_cache_dir())
+    except ImportError:
+        torch_default = None
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, torch_default):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(compiled_cache_dir() / "inductor")
 
 
 def _without_guards(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor] | None:

@@ -4,6 +4,7 @@ must give the plain path's greedy tokens."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,9 @@ def test_default_model_compiled_matches_eager(default_model_path: Path, compilin
     compiled = LLM(str(default_model_path), device="cpu", compile=True)
     assert compiled.engine.runner._decode_gives_logits  # the compiled decode path is in use
     assert set(compiled.engine.runner._unguarded) == {1, 2}  # called without Dynamo's guards
+    # the compiled graphs are kept in our cache folder, not in torch's default under /tmp
+    inductor = cpu_ops.compiled_cache_dir() / "inductor"
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(inductor) and any(inductor.rglob("*.so"))
     assert _tokens(compiled) == _tokens(eager)
 
 

@@ -9,6 +9,7 @@ import json
 import sys
 import time
 from dataclasses import asdict
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from localllm.cli_common import check_sampling_args, engine_config_from_args, progress_printer, sampling_from_args
@@ -43,10 +44,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         from localllm.engine.async_engine import AsyncEngine
 
-        llm, meter = _load(args)
+        make, meter = _load(args)
+        engine = AsyncEngine(make)  # built on the thread that steps it
+        llm = engine.engine
         if not args.raw and llm.tokenizer.template_note:
             print(f"localllm: note: {llm.tokenizer.template_note}", file=sys.stderr)
-        engine = AsyncEngine(llm)
     load_s = time.monotonic() - started
     try:
         params = sampling_from_args(args, engine.sampling_defaults)
@@ -68,8 +70,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load(args: argparse.Namespace) -> tuple[LLMEngine, MemoryMeter]:
-    """The local engine, and a running meter of what loading and the reply cost."""
+def _load(args: argparse.Namespace) -> tuple[Callable[[], LLMEngine], MemoryMeter]:
+    """What builds the local engine, and a running meter of what loading and the reply cost."""
     from localllm.engine.engine import LLMEngine
     from localllm.hardware.probe import MemoryMeter
 
@@ -78,7 +80,8 @@ def _load(args: argparse.Namespace) -> tuple[LLMEngine, MemoryMeter]:
     import torch
 
     meter = MemoryMeter("cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu").start()
-    return LLMEngine(engine_config_from_args(args, chats=1), progress=progress_printer()), meter
+    config = engine_config_from_args(args, chats=1)
+    return (lambda: LLMEngine(config, progress=progress_printer())), meter
 
 
 async def _reply(engine: AsyncEngine | RemoteEngine, prompt: Prompt, params: SamplingParams, echo: bool) -> RequestOutput:

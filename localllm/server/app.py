@@ -753,10 +753,10 @@ def serve_command(args: argparse.Namespace, sock: socket.socket) -> int:
     overrides: dict[str, Any] = {"chats": args.chats}
     if args.max_num_seqs:
         overrides["max_num_seqs"] = args.max_num_seqs
-    llm = LLMEngine(engine_config_from_args(args, **overrides), progress=progress_printer())
-    if llm.tokenizer.template_note:
-        print(f"localllm: note: {llm.tokenizer.template_note}", file=sys.stderr)
-    engine = AsyncEngine(llm)
+    config = engine_config_from_args(args, **overrides)
+    engine = AsyncEngine(lambda: LLMEngine(config, progress=progress_printer()))  # built on its own thread
+    if engine.tokenizer.template_note:
+        print(f"localllm: note: {engine.tokenizer.template_note}", file=sys.stderr)
     try:
         server = _uvicorn(create_app(
             engine, model_name=args.served_model_name, api_key=args.api_key,
@@ -769,7 +769,7 @@ def serve_command(args: argparse.Namespace, sock: socket.socket) -> int:
                     return
                 await asyncio.sleep(0.02)
             auth = ", API key required" if args.api_key else ""
-            print(f"localllm: serving {args.served_model_name or llm.model_name} at {socket_url(sock)}/v1 "
+            print(f"localllm: serving {args.served_model_name or engine.engine.model_name} at {socket_url(sock)}/v1 "
                   f"(OpenAI-compatible{auth}; Ctrl+C stops)", flush=True)
 
         async def main() -> None:

@@ -51,7 +51,7 @@ def _local_factory(args: argparse.Namespace) -> EngineFactory:
         from localllm.tui.backend import LocalChatEngine
 
         config = engine_config_from_args(args, model=model, chats=max(1, args.chats))
-        return LocalChatEngine(AsyncEngine(LLMEngine(config, progress=progress)))
+        return LocalChatEngine(AsyncEngine(lambda: LLMEngine(config, progress=progress)))  # built on its thread
 
     return build
 

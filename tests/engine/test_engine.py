@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 
 import pytest
 
@@ -145,6 +146,32 @@ def test_shared_prefix_is_reused_and_output_unchanged(default_model_path) -> Non
     nxt = engine.generate([turn], params)[0]
     assert nxt.num_cached_tokens == len(first.prompt_token_ids) + len(first.outputs[0].token_ids) - 1
     assert nxt.outputs[0].token_ids == cold.generate([turn], params)[0].outputs[0].token_ids
+
+
+async def test_async_engine_builds_its_engine_on_its_own_thread(default_model_path) -> None:
+    """The engine thread builds the engine it steps (see AsyncEngine's constructor), and a
+    build that fails raises in the caller's thread."""
+    built_on: list[str] = []
+
+    def make() -> LLMEngine:
+        built_on.append(threading.current_thread().name)
+        return _engine(default_model_path, max_model_len=256, num_kv_blocks=32)
+
+    engine = AsyncEngine(make)
+    try:
+        assert built_on == ["localllm-engine"] and engine.stats().kv_blocks_total == 32
+        final = None
+        async for final in engine.generate("One, two,", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)):
+            pass
+        assert final is not None and final.finished and len(final.outputs[0].token_ids) == 4
+    finally:
+        engine.shutdown()
+
+    def broken() -> LLMEngine:
+        raise ValueError("no such model: nowhere")
+
+    with pytest.raises(ValueError, match="no such model"):
+        AsyncEngine(broken)
 
 
 async def test_async_engine_streams_and_aborts_on_cancel(small_pool_engine: LLMEngine) -> None:

@@ -638,10 +638,11 @@ def plain_greedy(llm: LLMEngine, prompt_ids: list[int], n_tokens: int) -> tuple[
 async def bench_plain(target: _Target, opts: BenchOptions) -> dict[str, Any]:
     """Alternates plain and engine runs (four each) so load drifts hit both; best of each (a
     shared machine's neighbours move a 2 s run by 20%)."""
+    from localllm.engine.async_engine import AsyncEngine
     from localllm.engine.sequence import SamplingParams
 
-    assert target.llm is not None
-    llm = target.llm
+    assert target.llm is not None and isinstance(target.engine, AsyncEngine)
+    llm, engine = target.llm, target.engine
     prompt = llm.tokenizer.encode_chat([{"role": "user", "content": "Tell me about the history of bread."}])
     n = max(opts.plain_tokens, 2)
     _say(opts, f"batch-1 decode: engine against the plain loop ({n} tokens, {PLAIN_RUNS} runs each)")
@@ -650,7 +651,8 @@ async def bench_plain(target: _Target, opts: BenchOptions) -> dict[str, Any]:
     engine_tokens: list[int] = []
     for _ in range(PLAIN_RUNS):
         target.reset_cache()
-        plain_tokens, rate = await asyncio.to_thread(plain_greedy, llm, prompt, n)
+        # on the engine thread, as the engine's own steps: one OpenMP team for both
+        plain_tokens, rate = await engine.call(lambda e: plain_greedy(e, prompt, n))
         plain_rates.append(rate)
         target.reset_cache()
         final = None

@@ -14,7 +14,7 @@ import threading
 import traceback
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from localllm.engine.engine import EngineStats, LLMEngine, Prompt, RequestOutput
 from localllm.engine.sequence import SamplingParams
@@ -22,6 +22,9 @@ from localllm.errors import LocalLLMError
 
 if TYPE_CHECKING:
     from localllm.tokenizer import Tokenizer
+
+
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -108,6 +111,15 @@ class AsyncEngine:
             if not finished:
                 self._inbox.put(("abort", request_id))
 
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """``fn(engine)`` run on the engine thread between steps, for a benchmark that drives
+        the model directly: on a CPU the thread that steps owns the only OpenMP team (see the
+        constructor), and a second thread running parallel regions would slow both."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._inbox.put(("call", (fn, loop, future)))
+        return await future
+
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
 
@@ -168,6 +180,16 @@ class AsyncEngine:
                 self.engine.add_request(prompt, params, request_id)
             except (LocalLLMError, ValueError, TypeError) as e:
                 self._deliver([(request_id, e)])
+        elif kind == "call":
+            fn, loop, future = payload  # type: ignore[misc]
+            try:
+                result = (True, fn(self.engine))
+            except Exception as e:  # noqa: BLE001 - the caller's, raised where it awaits
+                result = (False, e)
+            try:
+                loop.call_soon_threadsafe(_settle, future, result)
+            except RuntimeError:  # that loop has closed
+                pass
         elif kind == "abort":
             out = self.engine.abort_request(payload)  # type: ignore[arg-type]
             if out is not None:
@@ -190,6 +212,12 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(_put_all, batch)
             except RuntimeError:  # that loop has closed; its consumers are gone
                 pass
+
+
+def _settle(future: asyncio.Future, result: tuple[bool, object]) -> None:
+    if not future.done():  # the caller may have been cancelled meanwhile
+        ok, value = result
+        future.set_result(value) if ok else future.set_exception(value)  # type: ignore[arg-type]
 
 
 def _put_all(batch: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:

@@ -13,6 +13,9 @@ Measures (``--only``, default all):
   --max-tokens 128`` runs), EOS ignored; llama-cpp-python in-process too, where it is installed.
 - ``prefill``: cold prefill of 512 tokens. llama.cpp: ``llama-bench -p 512 -n 0`` (pp512);
   localllm: 512 / TTFT of a 512-token raw prompt with the prefix cache empty.
+- ``sampled``: one stream through the servers, 128 tokens, sampled as a chat app samples:
+  ``temperature=0.8, top_p=0.95, top_k=40, min_p=0.05`` (llama-server's own defaults, sent
+  explicitly to both), EOS ignored. What a person chatting gets, sampler included.
 - ``seq8``: 8 requests one after another, 128 tokens each, through the servers.
 - ``server8``, ``server16``: 8 and 16 concurrent streams, 128 tokens each, aggregate output tok/s.
 - ``prefix``: a 1,516-token prompt, cold TTFT, then the same prompt again (prefix cache hit).
@@ -78,7 +81,9 @@ if TYPE_CHECKING:
     from localllm.engine.engine import LLMEngine
     from localllm.tokenizer import Tokenizer
 
-MEASURES = ("single", "prefill", "seq8", "server8", "server16", "prefix")
+MEASURES = ("single", "prefill", "sampled", "seq8", "server8", "server16", "prefix")
+# llama-server's defaults, sent to both servers for the ``sampled`` measure
+CHAT_SAMPLING = {"temperature": 0.8, "top_p": 0.95, "top_k": 40, "min_p": 0.05}
 ENV_DIR = "LOCALLLM_LLAMA_CPP_DIR"
 SYSTEM = "You are a helpful assistant."
 DECODE_PROMPT = "Once upon a time"
@@ -499,11 +504,16 @@ def summarize_stream(t0: float, events: Sequence[tuple[float, ChatCompletionChun
 
 
 async def stream_chat(client: AsyncOpenAI, model: str, messages: list[dict[str, str]], max_tokens: int,
-                      clock: Callable[[], float] = time.monotonic) -> StreamResult:
+                      clock: Callable[[], float] = time.monotonic,
+                      sampling: dict[str, float] | None = None) -> StreamResult:
+    """``sampling``: temperature, top_p, top_k, min_p; default greedy."""
     t0 = clock()
+    sampling = sampling or {"temperature": 0.0}
+    extra = {k: v for k, v in sampling.items() if k in ("top_k", "min_p")}
     stream = await client.chat.completions.create(
-        model=model, messages=messages, max_tokens=max_tokens, temperature=0.0, stream=True,  # type: ignore[arg-type]
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        model=model, messages=messages, max_tokens=max_tokens, temperature=sampling["temperature"],  # type: ignore[arg-type]
+        top_p=sampling.get("top_p", 1.0), stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True, **extra},
     )
     events = []
     async for chunk in stream:
@@ -530,9 +540,10 @@ def story(nonce: str, i: int) -> list[dict[str, str]]:
             {"role": "user", "content": f"[{nonce}-{i}] Write a long story about {TOPICS[i % len(TOPICS)]}."}]
 
 
-async def server_sequential(client: AsyncOpenAI, model: str, n: int, tokens: int, nonce: str) -> dict[str, Any]:
+async def server_sequential(client: AsyncOpenAI, model: str, n: int, tokens: int, nonce: str,
+                            sampling: dict[str, float] | None = None) -> dict[str, Any]:
     t0 = time.monotonic()
-    results = [await stream_chat(client, model, story(nonce, i), tokens) for i in range(n)]
+    results = [await stream_chat(client, model, story(nonce, i), tokens, sampling=sampling) for i in range(n)]
     return aggregate(results, time.monotonic() - t0, tokens)
 
 
@@ -749,6 +760,8 @@ class Bench:
             await stream_chat(client, model, [{"role": "user", "content": f"[{nonce}] hi"}], 4)  # warm-up
             if measure == "seq8":
                 return await server_sequential(client, model, 8, o.tokens, nonce)
+            if measure == "sampled":
+                return await server_sequential(client, model, 1, o.tokens, nonce, CHAT_SAMPLING)
             if measure in ("server8", "server16"):
                 return await server_concurrent(client, model, int(measure.removeprefix("server")), o.tokens, nonce)
             assert prefix_messages is not None
@@ -760,7 +773,8 @@ class Bench:
             rows = [(self.row("prefix_cold", f"{o.prefix_tokens:,}-token prompt, cold TTFT", "s"), "cold_ttft_s"),
                     (self.row("prefix_hit", "  same prompt again (prefix cache hit), TTFT", "s"), "hit_ttft_s")]
         else:
-            label = {"seq8": f"server: 8 requests in sequence x {o.tokens} tokens",
+            label = {"sampled": f"server: 1 stream x {o.tokens} tokens, sampled (T 0.8, top-p/k/min-p)",
+                     "seq8": f"server: 8 requests in sequence x {o.tokens} tokens",
                      "server8": f"server: 8 concurrent streams x {o.tokens} tokens",
                      "server16": f"server: 16 concurrent streams x {o.tokens} tokens"}[measure]
             rows = [(self.row(measure, label, "tok/s"), "tok_s")]

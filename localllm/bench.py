@@ -594,6 +594,7 @@ def plain_greedy(llm: LLMEngine, prompt_ids: list[int], n_tokens: int) -> tuple[
     blocks come from its block manager and go back to it unhashed."""
     import torch
 
+    from localllm.engine.sampler import argmax_rows
     from localllm.engine.sequence import SamplingParams, Sequence
     from localllm.models.llama import AttentionMetadata
 
@@ -627,7 +628,7 @@ def plain_greedy(llm: LLMEngine, prompt_ids: list[int], n_tokens: int) -> tuple[
                 meta = AttentionMetadata(slots[i : i + 1], qsl, torch.tensor([i + 1], dtype=torch.int32, device=dev),
                                          table, 1)
                 logits = runner.decode_logits(torch.tensor([token], dtype=torch.int64, device=dev), pos[i : i + 1], meta)
-                token = int(logits.argmax(-1))  # int(): syncs, as the engine does
+                token = int(argmax_rows(logits)[0])  # the engine's greedy pick; int() syncs, as it does
                 tokens.append(token)
             elapsed = time.monotonic() - t0
     finally:

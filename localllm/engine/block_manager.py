@@ -52,7 +52,9 @@ class BlockManager:
     """Invariants: every block is either referenced (ref_count > 0) or in ``free_queue``;
     ``cached`` maps a hash to a block holding exactly those tokens; ``tails`` maps a parent hash
     to a block whose ``token_ids`` it holds the KV of; the sum of all ref counts equals the
-    number of block-table entries of live sequences."""
+    number of block-table entries of live sequences; ``num_cached_free_blocks`` counts the free
+    blocks that have a hash (kept as each block enters or leaves the free queue: the engine
+    reads it every step, and a count over a free queue of 10k+ blocks took 0.5 ms)."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         assert num_blocks > 0 and block_size > 0
@@ -62,6 +64,7 @@ class BlockManager:
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[int, int] = {}
         self.tails: dict[int, int] = {}
+        self._cached_free = 0
 
     # ---- accounting ----
 
@@ -75,7 +78,7 @@ class BlockManager:
 
     @property
     def num_cached_free_blocks(self) -> int:
-        return sum(1 for b in self.free_queue if self.blocks[b].hash != NO_HASH)
+        return self._cached_free
 
     @property
     def usage(self) -> float:
@@ -134,6 +137,7 @@ class BlockManager:
                 block = self.blocks[b]
                 if block.ref_count == 0:
                     del self.free_queue[b]
+                    self._cached_free -= 1  # a hit block has a hash
                 block.ref_count += 1
             seq.block_table = list(prefix.block_ids)
             seq.block_hashes = list(prefix.block_hashes)
@@ -149,6 +153,8 @@ class BlockManager:
     def _pop_free(self) -> int:
         block_id, _ = self.free_queue.popitem(last=False)
         block = self.blocks[block_id]
+        if block.hash != NO_HASH:
+            self._cached_free -= 1
         if block.token_ids:  # evict: its KV is about to be overwritten
             if self.cached.get(block.hash) == block_id:
                 del self.cached[block.hash]
@@ -172,6 +178,7 @@ class BlockManager:
                     self.free_queue.move_to_end(block_id, last=False)  # worthless: reuse first
                 else:
                     self.free_queue[block_id] = None
+                    self._cached_free += block.hash != NO_HASH
         seq.block_table = []
         seq.block_hashes = []
 
@@ -212,5 +219,6 @@ class BlockManager:
         for block_id in self.free_queue:
             block = self.blocks[block_id]
             block.hash, block.parent, block.token_ids = NO_HASH, NO_HASH, ()
+        self._cached_free = 0
         self.cached = {h: b for h, b in self.cached.items() if self.blocks[b].ref_count > 0}
         self.tails = {p: b for p, b in self.tails.items() if self.blocks[b].ref_count > 0}

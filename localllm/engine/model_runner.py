@@ -4,7 +4,7 @@ The batch is flat (varlen): the new tokens of every sequence back to back, decod
 described by ``AttentionMetadata``. Slot mapping and positions are computed with tensor ops
 from per-sequence offsets, so the Python work per step is one short loop over sequences.
 Pure-decode steps run on static input buffers (the batch padded to a size bucket, padding
-rows writing nowhere): on CUDA they replay CUDA graphs captured per bucket; on CPU they call
+rows writing nowhere), which the step writes row by row through numpy views: on CUDA they replay CUDA graphs captured per bucket; on CPU they call
 the forward compiled by torch.compile (Inductor's C++ backend), which removes the per-op
 dispatch of ~2,500 small ops a step and fuses norm, rotary and SiLU-mul. Prefill and mixed
 steps run eager: their matmuls dwarf the dispatch.
@@ -160,11 +160,11 @@ class ModelRunner:
                 for k, v in self.kv_caches:
                     k[dst] = k[src]
                     v[dst] = v[src]
-        inputs = self.prepare(batch)
         n = len(batch.seqs)
         if self._decode_call is not None and batch.num_decodes == n and n <= self.buckets[-1]:
-            out = self._replay(inputs, n)  # hidden states, or logits from the compiled path
-            return inputs.sampling_seqs, out if self._decode_gives_logits else self.model.compute_logits(out)
+            out = self._decode_call(self._stage_decode(batch.seqs))[:n]  # hidden states, or logits (compiled)
+            return batch.seqs, out if self._decode_gives_logits else self.model.compute_logits(out)
+        inputs = self.prepare(batch)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         if not inputs.sampling_seqs:
             return [], None
@@ -195,6 +195,14 @@ class ModelRunner:
         self._g_seq_lens = torch.ones(top, dtype=torch.int32, device=dev)
         self._g_tables = torch.zeros(top, self.max_blocks_per_seq, dtype=torch.int32, device=dev)
         self._g_qsl = torch.arange(top + 1, dtype=torch.int32, device=dev)
+        # the host side that _stage_decode writes: the buffers themselves on a CPU, pinned
+        # copies for a GPU (a step's copies are done before the next step writes: it syncs on
+        # its sampled tokens)
+        self._host_tensors: tuple[torch.Tensor, ...] | None = None
+        host = self._device_buffers()
+        if dev.type != "cpu":
+            self._host_tensors = host = tuple(t.cpu().pin_memory() for t in host)
+        self._host = tuple(t.numpy() for t in host)
 
     def _bucket_meta(self, b: int) -> AttentionMetadata:
         return AttentionMetadata(self._g_slots[:b], self._g_qsl[: b + 1], self._g_seq_lens[:b], self._g_tables[:b], b)
@@ -251,20 +259,32 @@ class ModelRunner:
         torch.cuda.synchronize()
         self._decode_call = lambda b: (self.graphs[b].replay(), self._g_hidden[b])[1]
 
-    def _replay(self, inputs: StepInputs, n: int) -> torch.Tensor:
-        """Copies a decode batch of n sequences into the static buffers, runs the smallest
-        bucket that holds it, and returns the n real rows."""
+    def _stage_decode(self, seqs: list[Sequence]) -> int:
+        """Writes a pure-decode batch of n sequences straight into the static buffers' first n
+        rows (through numpy views of their host side: no tensor is made per step, where
+        ``prepare`` makes ~15) and pads to the smallest bucket that holds it; returns the
+        bucket. Rows past a table's length keep stale block ids: attention reads only the
+        blocks its sequence length covers."""
+        n, bs = len(seqs), self.block_size
         b = next(s for s in self.buckets if s >= n)
-        meta = inputs.meta
-        self._g_input_ids[:n] = inputs.input_ids
-        self._g_positions[:n] = inputs.positions
-        self._g_slots[:n] = meta.slot_mapping
-        self._g_slots[n:b] = -1
-        self._g_seq_lens[:n] = meta.seq_lens
-        self._g_seq_lens[n:b] = 1
-        self._g_tables[:n, : meta.block_tables.shape[1]] = meta.block_tables
-        assert self._decode_call is not None
-        return self._decode_call(b)[:n]
+        ids, pos, slots, lens, tables = self._host
+        for i, seq in enumerate(seqs):
+            p = seq.num_computed_tokens
+            table = seq.block_table
+            ids[i] = seq.token_ids[p]
+            pos[i] = p
+            slots[i] = table[p // bs] * bs + p % bs
+            lens[i] = p + 1
+            tables[i, : len(table)] = table
+        slots[n:b] = -1
+        lens[n:b] = 1
+        if self._host_tensors is not None:  # a device elsewhere: one copy per buffer
+            for dst, src in zip(self._device_buffers(), self._host_tensors):
+                dst[:b].copy_(src[:b], non_blocking=True)
+        return b
+
+    def _device_buffers(self) -> tuple[torch.Tensor, ...]:
+        return self._g_input_ids, self._g_positions, self._g_slots, self._g_seq_lens, self._g_tables
 
 
 def _decode_logits(

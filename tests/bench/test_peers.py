@@ -100,6 +100,14 @@ async def test_ttft_is_the_first_chunk_with_content_not_the_role_chunk(sse: str)
     assert body["max_tokens"] == 3 and body["stream_options"] == {"include_usage": True}
 
 
+async def test_the_sampled_measure_sends_the_same_sampler_settings_to_both() -> None:
+    seen: list[dict[str, Any]] = []
+    await peers.server_sequential(_client(OURS_SSE, seen), "m", 1, 3, "n0", peers.CHAT_SAMPLING)
+    body = seen[0]
+    assert (body["temperature"], body["top_p"], body["top_k"], body["min_p"]) == (0.8, 0.95, 40, 0.05)
+    assert body["ignore_eos"] is True
+
+
 async def test_without_usage_the_content_chunks_are_counted() -> None:
     no_usage = "".join(block + "\n\n" for block in OURS_SSE.split("\n\n") if block and '"usage":{' not in block)
     r = await peers.stream_chat(_client(no_usage, []), "m", [], 3, clock=_clock([0.0, 0.1, 0.2, 0.3, 0.4]))

@@ -49,6 +49,7 @@ def _check(bm: BlockManager, live: list[Sequence], pool: _Pool) -> None:
         assert (block.ref_count == 0) == (block.block_id in bm.free_queue)
         # a block's recorded tokens are what its slots hold
         assert pool.slots[block.block_id][: len(block.token_ids)] == list(block.token_ids)
+    assert bm.num_cached_free_blocks == sum(1 for b in bm.free_queue if bm.blocks[b].hash != NO_HASH)
     for h, b in bm.cached.items():
         assert bm.blocks[b].hash == h and len(bm.blocks[b].token_ids) == bm.block_size
     for p, b in bm.tails.items():
@@ -60,7 +61,7 @@ def _check(bm: BlockManager, live: list[Sequence], pool: _Pool) -> None:
 
 
 ops = st.lists(
-    st.tuples(st.sampled_from(["new", "append", "fork", "free"]), st.integers(0, 7), st.integers(1, 40)),
+    st.tuples(st.sampled_from(["new", "append", "fork", "free", "free", "reset"]), st.integers(0, 7), st.integers(1, 40)),
     min_size=1, max_size=60,
 )
 
@@ -92,6 +93,8 @@ def test_random_operations_keep_invariants(operations: list[tuple[str, int, int]
             assert prefix.num_tokens < child.num_tokens  # the last token is always computed
             if pool.admit(child, prefix):
                 live.append(child)
+        elif op == "reset":
+            bm.reset_prefix_cache()
         else:
             s = live.pop(pick % len(live))
             bm.free(s)

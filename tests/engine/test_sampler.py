@@ -128,3 +128,98 @@ def test_more_logprobs_than_the_vocabulary_holds() -> None:
     logits = torch.randn(1, 4)
     out = sample(logits, [_seq(SamplingParams(temperature=0, logprobs=20))])
     assert out.top_logprobs is not None and len(out.top_logprobs[0]) == 4
+
+
+# ---- the row draw (sample_rows) against its definition, in both implementations ----
+
+def _impls() -> list:
+    from localllm.engine.sampler import sample_rows, sample_rows_ref
+    from localllm.kernels import cpu_ops
+
+    impls = [pytest.param(sample_rows_ref, id="torch")]
+    if cpu_ops.load():
+        impls.append(pytest.param(sample_rows, id="kernel"))
+    return impls
+
+
+def _kept_probs(row: torch.Tensor, temp: float, k: int, p: float, min_p: float) -> torch.Tensor:
+    """The definition, by a full sort: the probabilities the cuts keep (the rest zeroed)."""
+    probs = torch.softmax(row.double() / temp, -1)
+    ranked = probs.sort(descending=True).values
+    keep = torch.ones_like(probs, dtype=torch.bool)
+    if k < len(probs):
+        keep &= probs >= ranked[k - 1]
+    if p < 1.0:
+        within = probs[keep].sort(descending=True).values
+        first = int((within.cumsum(0) >= p * within.sum()).nonzero()[0])
+        keep &= probs >= within[first]
+    keep &= probs >= min_p * ranked[0]
+    return torch.where(keep, probs, 0.0)
+
+
+CUTS = [  # temperature, top_k (0: none), top_p, min_p
+    (1.0, 0, 1.0, 0.0), (0.7, 0, 0.9, 0.0), (0.8, 40, 1.0, 0.0), (1.0, 40, 0.95, 0.05), (1.3, 0, 1.0, 0.1),
+    (0.5, 300, 0.5, 0.0), (2.0, 0, 0.99, 0.0), (1.0, 1000, 1.0, 0.0), (1.0, 3, 0.2, 0.0),
+]
+
+
+@pytest.mark.parametrize("impl", _impls())
+@pytest.mark.parametrize("spread", [0.5, 2.0, 6.0])
+@pytest.mark.parametrize("cut", CUTS, ids=str)
+def test_draws_follow_the_cut_distribution_exactly(impl, spread: float, cut: tuple) -> None:
+    # u on an even grid of n points: an inverse-CDF draw gives token i about p_i * n of them,
+    # so any token outside the cuts, or any wrong share, shows
+    temp, k, p, min_p = cut
+    vocab = n = 2000
+    row = torch.randn(1, vocab, generator=torch.Generator().manual_seed(int(spread * 10) + k)) * spread
+    k = k or vocab
+    grid = [(i + 0.5) / n for i in range(n)]
+    b = 500
+    tokens = torch.cat([impl(row.expand(b, -1), [temp] * b, [k] * b, [p] * b, [min_p] * b, grid[i : i + b])
+                        for i in range(0, n, b)])
+    want = _kept_probs(row[0], temp, k, p, min_p)
+    want = want / want.sum() * n
+    counts = torch.bincount(tokens, minlength=vocab).double()
+    assert set(tokens.tolist()) <= set(want.nonzero().flatten().tolist())
+    assert float((counts - want).abs().max()) <= 1.01
+
+
+@pytest.mark.parametrize("impl", _impls())
+def test_masked_tokens_are_never_drawn(impl) -> None:
+    row = torch.full((1, 3000), float("-inf"))
+    allowed = [5, 77, 2999]
+    row[0, allowed] = torch.tensor([0.0, -30.0, 1.0])
+    for u in (1e-12, 0.3, 0.999999, 1.0):
+        for cut in CUTS:
+            temp, k, p, min_p = cut
+            assert int(impl(row, [temp], [k or 3000], [p], [min_p], [u])[0]) in allowed
+
+
+@pytest.mark.parametrize("impl", _impls())
+def test_greedy_rows_are_the_first_argmax(impl) -> None:
+    rows = torch.randn(5, 4000, generator=torch.Generator().manual_seed(9))
+    rows[1, [10, 20]] = 50.0  # a tie: the first wins
+    rows[2] = float("-inf")
+    rows[2, 3999] = 0.0
+    rows[3, 0] = 99.0
+    out = impl(rows, [0.0, 0.0, 0.0, 0.0, 1.0], [4000] * 5, [1.0] * 5, [0.0] * 5, [0.5] * 5)
+    assert out[:4].tolist() == [int(rows[0].argmax()), 10, 3999, 0]
+
+
+def test_the_kernel_and_the_reference_draw_the_same_tokens() -> None:
+    from localllm.engine.sampler import sample_rows, sample_rows_ref
+    from localllm.kernels import cpu_ops
+
+    if not cpu_ops.load():
+        pytest.skip("CPU kernels could not be built here")
+    gen = torch.Generator().manual_seed(11)
+    rows = torch.randn(len(CUTS), 49152, generator=gen) * torch.tensor([0.5, 2.0, 4.0] * 3)[:, None]
+    args = [list(c) for c in zip(*CUTS)]
+    args[1] = [k or 49152 for k in args[1]]
+    same = total = 0
+    for _ in range(30):
+        u = (1.0 - torch.rand(len(CUTS), dtype=torch.float64, generator=gen)).tolist()
+        a, b = sample_rows(rows, *args, u), sample_rows_ref(rows, *args, u)
+        same += int((a == b).sum())
+        total += len(CUTS)
+    assert same >= 0.99 * total

@@ -122,6 +122,10 @@ def _register_fakes() -> None:
         def _(codes, d, c, type, dtype):  # type: ignore[no-untyped-def]
             return codes.new_empty(codes.shape[0] * 8, codes.shape[1] * 32, dtype=dtype)
 
+    @torch.library.register_fake("localllm_cpu::topk_indices")
+    def _(logits, k):  # type: ignore[no-untyped-def]
+        return logits.new_empty(logits.shape[0], k, dtype=torch.int64)
+
     @torch.library.register_fake("localllm_cpu::store_kv")
     def _(k, v, k_cache, v_cache, slot_mapping):  # type: ignore[no-untyped-def]
         return None
@@ -130,6 +134,15 @@ def _register_fakes() -> None:
 def usable(x: torch.Tensor, cache: torch.Tensor) -> bool:
     """Whether the C++ ops serve this call: CPU tensors, an fp32 cache, and the library built."""
     return x.device.type == "cpu" and cache.dtype == torch.float32 and load()
+
+
+def topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:
+    """The indices of each row's k largest values, largest first: the C++ kernel for CPU fp32
+    rows (torch's topk is ~300 us for 8 of a 49k row there), else ``x.topk(k).indices``, the
+    reference (the two may order exactly equal values differently)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and load():
+        return torch.ops.localllm_cpu.topk_indices(x, k)
+    return x.topk(k, dim=-1).indices
 
 
 def has_gguf_kernels() -> bool:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from localllm.errors import LocalLLMError
-from localllm.kernels import paged_attention, rms_norm, rotary, rotary_and_store_kv, silu_and_mul
+from localllm.kernels import cpu_ops, paged_attention, rms_norm, rotary, rotary_and_store_kv, silu_and_mul
 from localllm.kernels._triton import use_triton
 
 # HF architecture -> the model_type its config.json carries
@@ -501,7 +501,7 @@ class LlamaForCausalLM(nn.Module):
             # more than the top two of a small model can be apart, so the top 8 are recomputed
             # exactly from the fp32 final norm and the head's own (dequantized) rows
             logits = self.lm_head(hidden.float()).float()
-            top = logits.topk(8, dim=-1).indices
+            top = cpu_ops.topk_indices(logits, 8)
             rows = self.lm_head.dequantize_rows(top.flatten()).view(*top.shape, -1)  # type: ignore[operator]
             exact = torch.einsum("td,tkd->tk", hidden.float(), rows)
             return logits.scatter_(1, top, exact)

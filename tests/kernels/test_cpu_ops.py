@@ -135,3 +135,35 @@ def test_loading_the_kernels_leaves_subnormal_floats_alone() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True", "True"]
+
+
+@pytest.mark.parametrize("vocab,k", [(49152, 8), (49152, 1), (1000, 8), (300, 300), (7, 3)])
+def test_topk_indices_match_torch(vocab: int, k: int) -> None:
+    gen = torch.Generator().manual_seed(vocab + k)
+    x = torch.randn(6, vocab, generator=gen) * 4
+    x[1, : vocab // 2] = float("-inf")  # a masked row
+    if vocab > 100:
+        x[2, 40:60] = float("nan")  # NaN counts as the smallest
+    x[3] = x[3].abs() + 100.0 if vocab < 10 else x[3]  # the top inside one chunk
+    got = cpu_ops.topk_indices(x, k)
+    clean = torch.nan_to_num(x, nan=float("-inf"))
+    want = clean.topk(k, dim=-1).indices
+    assert torch.equal(clean.gather(1, got), clean.gather(1, want))  # the same values, in order
+    assert torch.equal(got[[0, 4, 5]], want[[0, 4, 5]])  # rows without ties: the same indices
+
+
+def test_topk_indices_break_ties_by_the_lower_index() -> None:
+    x = torch.zeros(1, 5000)
+    x[0, [4000, 17, 2500]] = 3.0
+    assert cpu_ops.topk_indices(x, 2).tolist() == [[17, 2500]]
+
+
+def test_argmax_rows_match_torch_and_take_the_first_of_ties() -> None:
+    from localllm.engine.sampler import argmax_rows
+
+    x = torch.randn(9, 49152, generator=torch.Generator().manual_seed(5))
+    x[2, [30000, 40000]] = 99.0
+    x[3] = float("-inf")
+    got = argmax_rows(x)
+    assert got.tolist() == x.argmax(-1).tolist()
+    assert got[2] == 30000 and got[3] == 0

@@ -1,5 +1,6 @@
-// CPU kernels that torch has no op for: the paged KV write and attention that reads the
-// paged pool where it lies. Built once per machine by localllm/kernels/cpu_ops.py (with
+// CPU kernels that torch has no fast op for: the paged KV write, attention that reads the
+// paged pool where it lies, the sampler's row kernels and top-k, and the GGUF block linear.
+// Built once per machine by localllm/kernels/cpu_ops.py (with
 // -march=native, so the loops below vectorise for the CPU at hand) and registered as
 // torch.ops.localllm_cpu.*; their torch references are paged_attention_ref and
 // rotary_and_store_kv_ref in the same folder.
@@ -436,10 +437,16 @@ constexpr int64_t kChunk = 256;  // the draw and the candidate search skip whole
 
 // The first index of the row's largest value (NaN is never the largest here; torch's argmax
 // would return it, but a NaN row has no right answer anyway).
-int64_t argmax_row(const float* x, int64_t V) {
+// The largest value of x[0..n) (-inf for none; NaN is skipped).
+inline float row_max(const float* x, int64_t n) {
   float m = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : m)
-  for (int64_t i = 0; i < V; ++i) m = x[i] > m ? x[i] : m;  // std::max does not vectorise here
+  for (int64_t i = 0; i < n; ++i) m = x[i] > m ? x[i] : m;  // std::max does not vectorise here
+  return m;
+}
+
+int64_t argmax_row(const float* x, int64_t V) {
+  const float m = row_max(x, V);
   for (int64_t c = 0; c < V; c += kChunk) {
     const int64_t e = std::min(V, c + kChunk);
     int hit = 0;
@@ -527,9 +534,7 @@ float top_p_weight(SampleScratch& s, int64_t V, float lo, double want) {
 int64_t sample_row(const float* x, int64_t V, double temp, int64_t k, double p, double min_p, double u,
                    SampleScratch& s) {
   if (temp <= 0) return argmax_row(x, V);
-  float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-  for (int64_t i = 0; i < V; ++i) m = x[i] > m ? x[i] : m;
+  const float m = row_max(x, V);
   if (!(m > -std::numeric_limits<float>::infinity()) || std::isinf(m)) return argmax_row(x, V);
   const int64_t nc = (V + kChunk - 1) / kChunk;
   s.w.resize(V);
@@ -655,13 +660,7 @@ at::Tensor topk_indices(const at::Tensor& logits, int64_t k) {
       const auto key = [row](int32_t i) {
         return std::isnan(row[i]) ? -std::numeric_limits<float>::infinity() : row[i];
       };
-      for (int64_t c = 0; c < nc; ++c) {
-        const int64_t e = std::min(V, (c + 1) * kChunk);
-        float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-        for (int64_t i = c * kChunk; i < e; ++i) m = row[i] > m ? row[i] : m;
-        maxima[c] = m;
-      }
+      for (int64_t c = 0; c < nc; ++c) maxima[c] = row_max(row + c * kChunk, std::min(V, (c + 1) * kChunk) - c * kChunk);
       float lo = -std::numeric_limits<float>::infinity();
       if (k <= nc) {
         std::vector<float> sorted(maxima);

@@ -4,10 +4,11 @@ The batch is flat (varlen): the new tokens of every sequence back to back, decod
 described by ``AttentionMetadata``. Slot mapping and positions are computed with tensor ops
 from per-sequence offsets, so the Python work per step is one short loop over sequences.
 Pure-decode steps run on static input buffers (the batch padded to a size bucket, padding
-rows writing nowhere), which the step writes row by row through numpy views: on CUDA they replay CUDA graphs captured per bucket; on CPU they call
-the forward compiled by torch.compile (Inductor's C++ backend), which removes the per-op
-dispatch of ~2,500 small ops a step and fuses norm, rotary and SiLU-mul. Prefill and mixed
-steps run eager: their matmuls dwarf the dispatch.
+rows writing nowhere), which the step writes row by row through numpy views: on CUDA they
+replay CUDA graphs captured per bucket; on CPU they call the forward compiled by
+torch.compile (Inductor's C++ backend), which removes the per-op dispatch of ~2,500 small
+ops a step and fuses norm, rotary and SiLU-mul. Prefill and mixed steps run eager: their
+matmuls dwarf the dispatch.
 """
 
 from __future__ import annotations

@@ -163,7 +163,10 @@ class ModelRunner:
                     v[dst] = v[src]
         n = len(batch.seqs)
         if self._decode_call is not None and batch.num_decodes == n and n <= self.buckets[-1]:
-            out = self._decode_call(self._stage_decode(batch.seqs))[:n]  # hidden states, or logits (compiled)
+            b = self._stage_decode(batch.seqs)
+            out = self._decode_call(b)  # hidden states, or logits (compiled)
+            if b != n:  # padding rows; a CPU bucket is its batch size (a slice here was 50 us, cold after the forward)
+                out = out[:n]
             return batch.seqs, out if self._decode_gives_logits else self.model.compute_logits(out)
         inputs = self.prepare(batch)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
@@ -204,19 +207,24 @@ class ModelRunner:
         if dev.type != "cpu":
             self._host_tensors = host = tuple(t.cpu().pin_memory() for t in host)
         self._host = tuple(t.numpy() for t in host)
+        # each bucket's views of the buffers, made once: a step then makes no tensor to call
+        # the graph (seven slices were ~60 us of a batch-1 step, cold after the forward)
+        self._bucket_args = {
+            b: (self._g_input_ids[:b], self._g_positions[:b], self._g_slots[:b], self._g_qsl[: b + 1],
+                self._g_seq_lens[:b], self._g_tables[:b])
+            for b in sizes
+        }  # fmt: skip
 
     def _bucket_meta(self, b: int) -> AttentionMetadata:
-        return AttentionMetadata(self._g_slots[:b], self._g_qsl[: b + 1], self._g_seq_lens[:b], self._g_tables[:b], b)
+        _, _, slots, qsl, lens, tables = self._bucket_args[b]
+        return AttentionMetadata(slots, qsl, lens, tables, b)
 
     def _run_bucket_eager(self, b: int) -> torch.Tensor:
-        return self.model(self._g_input_ids[:b], self._g_positions[:b], self._bucket_meta(b))
+        ids, pos = self._bucket_args[b][:2]
+        return self.model(ids, pos, self._bucket_meta(b))
 
     def _run_bucket_compiled(self, b: int) -> torch.Tensor:
-        fn = self._unguarded.get(min(b, 2), self._compiled)
-        return fn(
-            self.model, self._g_input_ids[:b], self._g_positions[:b], self._g_slots[:b], self._g_qsl[: b + 1],
-            self._g_seq_lens[:b], self._g_tables[:b],
-        )  # fmt: skip
+        return self._unguarded.get(min(b, 2), self._compiled)(self.model, *self._bucket_args[b])
 
     def _compile_decode(self, progress: Callable[[str, int, int], None] | None) -> None:
         """Compiles the decode step now, for batch 1 and for any larger batch (one dynamic

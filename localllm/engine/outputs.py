@@ -210,3 +210,13 @@ class RequestState:
         )
         return RequestOutput(seq.request_id, self.prompt, prompt_ids, [completion], seq.finished,
                              max(seq.num_cached_tokens, 0), self.metrics, error)
+
+
+def joined(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """``later`` carrying ``earlier``'s deltas before its own, for a consumer that is handed
+    ``later`` instead of both (its text, ids and logprobs so far already cover both).
+    ``later`` is changed in place: only its maker, which has not handed it out, may call this."""
+    a, b = earlier.outputs[0], later.outputs[0]
+    b.delta_text = a.delta_text + b.delta_text
+    b.delta_token_ids = [*a.delta_token_ids, *b.delta_token_ids]
+    return later

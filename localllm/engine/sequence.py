@@ -9,12 +9,15 @@ import math
 import numbers
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from localllm.errors import InvalidParameterError
 from localllm.tokenizer import lone_surrogate
+
+if TYPE_CHECKING:
+    from localllm.engine.sampler import PenaltyState
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 MAX_LOGPROBS = 20
@@ -190,7 +193,8 @@ class Sequence:
     ``token_ids`` only ever grows at the end (``Scheduler.update`` appends each sampled token;
     preemption keeps them), so views of it handed out in earlier outputs stay valid. One
     writer each: the scheduler for ``status``, ``num_computed_tokens``, ``finish_reason`` and
-    ``stop_reason``; the block manager for ``block_table`` and ``block_hashes``."""
+    ``stop_reason``; the block manager for ``block_table`` and ``block_hashes``; the sampler
+    for ``penalties``."""
 
     request_id: str
     token_ids: list[int]
@@ -207,6 +211,7 @@ class Sequence:
     finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     generator: torch.Generator | None = None
+    penalties: PenaltyState | None = None  # made at the first step that applies a penalty
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = self.num_prompt_tokens or len(self.token_ids)
@@ -220,11 +225,6 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        """A copy: for the sampler's penalties, which need every output token anyway."""
-        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def finished(self) -> bool:

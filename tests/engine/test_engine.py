@@ -203,6 +203,35 @@ async def test_async_engine_streams_and_aborts_on_cancel(small_pool_engine: LLME
         engine.shutdown()
 
 
+async def test_async_engine_joins_a_fast_steps_outputs_without_losing_any(small_pool_engine: LLMEngine) -> None:
+    """With a hold longer than any step, every output but a first or last one waits one step
+    and goes out joined with the next: no output carries more than two tokens, the first
+    carries one, and the deltas of each stream, ids and text, add up to its final output,
+    also for streams that start while others are held. Without a hold, one token each."""
+    params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
+
+    async def stream(engine: AsyncEngine, prompt: str, delay: float) -> tuple[list[list[int]], str, object]:
+        await asyncio.sleep(delay)
+        ids, text, final = [], "", None
+        async for final in engine.generate(prompt, params):
+            ids.append(list(final.outputs[0].delta_token_ids))
+            text += final.outputs[0].delta_text
+        return ids, text, final
+
+    for hold, most in ((60.0, 2), (0.0, 1)):
+        engine = AsyncEngine(small_pool_engine, stream_hold_s=hold)
+        try:
+            runs = await asyncio.gather(*(stream(engine, f"Topic {i}: {t}.", 0.05 * i) for i, t in enumerate(TOPICS[:3])))
+        finally:
+            engine.shutdown()
+        for i, (ids, text, final) in enumerate(runs):
+            assert final.finished and text == final.outputs[0].text
+            assert [t for d in ids for t in d] == list(final.outputs[0].token_ids)
+            assert len(ids[0]) == 1 and max(len(d) for d in ids) == most
+            assert list(final.outputs[0].token_ids) == _run_alone(
+                small_pool_engine, small_pool_engine.tokenizer.encode(f"Topic {i}: {TOPICS[i]}."), params)
+
+
 class _FailingDetokenizer(IncrementalDetokenizer):
     """The real detokenizer, until its ``after``-th token."""
 

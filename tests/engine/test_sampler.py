@@ -95,6 +95,45 @@ def test_presence_and_frequency_penalties() -> None:
     assert sample(logits, [_seq(SamplingParams(presence_penalty=2.0, **greedy), prompt=(3,))]).token_ids == [3]
 
 
+def _penalized_by_definition(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    """One row's penalties from the whole token list, as vLLM defines them."""
+    p, row = seq.params, logits.clone()
+    outputs = seq.token_ids[seq.num_prompt_tokens :]
+    for t in set(seq.token_ids) if p.repetition_penalty != 1.0 else ():
+        row[t] = row[t] / p.repetition_penalty if row[t] > 0 else row[t] * p.repetition_penalty
+    for t in set(outputs):
+        row[t] -= p.frequency_penalty * outputs.count(t) + p.presence_penalty
+    return row
+
+
+def test_penalties_kept_step_by_step_equal_their_definition_on_a_mixed_batch() -> None:
+    """The sampler keeps each sequence's token counts across steps instead of recounting the
+    prompt and reply; over 12 steps of a batch that mixes penalised and plain rows (and a
+    retry that samples a row a second time in one step), each row's penalised logits equal
+    the definition's on the whole token list, and the tokens drawn are their argmax."""
+    from localllm.engine.sampler import _penalize
+
+    gen = torch.Generator().manual_seed(5)
+    vocab = 64
+    seqs = [
+        _seq(SamplingParams(temperature=0, repetition_penalty=1.7), prompt=tuple(range(0, 40, 3))),
+        _seq(SamplingParams(temperature=0)),
+        _seq(SamplingParams(temperature=0, presence_penalty=0.8, frequency_penalty=0.3), prompt=(5, 6)),
+        _seq(SamplingParams(temperature=0, repetition_penalty=0.8, frequency_penalty=-0.4), prompt=(1, 1, 2)),
+    ]
+    for step in range(12):
+        logits = torch.randn(len(seqs), vocab, generator=gen) * 3
+        want = torch.stack([_penalized_by_definition(logits[r], s) for r, s in enumerate(seqs)])
+        got = _penalize(logits, seqs)
+        assert torch.allclose(got, want, atol=1e-5), step
+        assert torch.equal(_penalize(logits, seqs), got)  # a second pass in the same step adds nothing
+        ids = sample(logits, seqs).token_ids
+        assert ids == want.argmax(-1).tolist()
+        for s, t in zip(seqs, ids):
+            s.token_ids.append(t if step % 3 else 7)  # token 7 again and again: frequency counts grow
+    assert seqs[1].penalties is None  # a row without penalties keeps no state
+
+
 def test_a_seed_fixes_the_tokens_and_ignores_the_batch() -> None:
     logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(3))
 

@@ -36,7 +36,7 @@ def compiled_cache_dir() -> Path:
     return base
 
 
-def _cpu_signature() -> str:
+def cpu_signature() -> str:
     """What -march=native depends on: the CPU model and its flags."""
     try:
         text = Path("/proc/cpuinfo").read_text()
@@ -56,7 +56,7 @@ FLAGS = (
 
 
 def _library_path(cxx: str) -> Path:
-    parts = (SOURCE.read_text(), torch.__version__, _cpu_signature(), cxx, *FLAGS)
+    parts = (SOURCE.read_text(), torch.__version__, cpu_signature(), cxx, *FLAGS)
     key = hashlib.sha256(b"\0".join(s.encode() for s in parts)).hexdigest()[:16]
     return compiled_cache_dir() / "cpu_ops" / key / "localllm_cpu_ops.so"
 
@@ -152,4 +152,4 @@ def has_gguf_kernels() -> bool:
 
 def fast_bf16() -> bool:
     """bf16 matmuls beat fp32 here (AMX or AVX512-BF16); without them oneDNN emulates bf16."""
-    return any(f in _cpu_signature().split() for f in ("amx_bf16", "avx512_bf16"))
+    return any(f in cpu_signature().split() for f in ("amx_bf16", "avx512_bf16"))

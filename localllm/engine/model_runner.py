@@ -13,17 +13,24 @@ matmuls dwarf the dispatch.
 
 from __future__ import annotations
 
+import hashlib
+import importlib
+import inspect
+import logging
 import os
-import types
+import sys
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from localllm.engine.scheduler import ScheduledBatch
 from localllm.engine.sequence import Sequence
 from localllm.models.llama import AttentionMetadata, LlamaForCausalLM, kv_scale_tensor
+
+logger = logging.getLogger(__name__)
 
 GRAPH_BATCH_SIZES = [1, 2, 4, 8] + list(range(16, 257, 16))
 
@@ -181,7 +188,7 @@ class ModelRunner:
         (the compiled one on CPU when compiling), without the static buffers: for benchmarks
         that drive the model from a plain loop."""
         if self._decode_gives_logits:
-            fn = self._unguarded.get(min(input_ids.shape[0], 2), self._compiled)
+            fn = self._unguarded[min(input_ids.shape[0], 2)]
             return fn(self.model, input_ids, positions, meta.slot_mapping, meta.query_start_loc, meta.seq_lens,
                       meta.block_tables)
         return self.model.compute_logits(self.model(input_ids, positions, meta))
@@ -224,33 +231,76 @@ class ModelRunner:
         return self.model(ids, pos, self._bucket_meta(b))
 
     def _run_bucket_compiled(self, b: int) -> torch.Tensor:
-        return self._unguarded.get(min(b, 2), self._compiled)(self.model, *self._bucket_args[b])
+        return self._unguarded[min(b, 2)](self.model, *self._bucket_args[b])
 
     def _compile_decode(self, progress: Callable[[str, int, int], None] | None) -> None:
-        """Compiles the decode step now, for batch 1 and for any larger batch (one dynamic
-        graph), so no request pays it. Inductor's cache on disk makes later starts take
-        seconds; the first start on a machine takes ~1 minute and says so."""
+        """Compiles the decode step now, for batch 1 and for any larger batch (one graph whose
+        batch size is dynamic), so no request pays it. Each graph is compiled ahead of time
+        (``torch.compile(...).aot_compile``) and saved under our cache folder: a later start
+        loads it (~5 s a graph) instead of tracing the model again (Dynamo's trace alone was
+        ~15 s a graph at every start, on top of Inductor's own cache). The first start on a
+        machine takes ~2 minutes and says so."""
         _use_our_inductor_cache()
         # cpp_wrapper: the graph's ~30 x 25 kernel calls run from generated C++, not from a
         # generated Python function (measured: median step 36 -> 24 ms under load)
         cpp_wrapper = os.environ.get("LOCALLLM_CPP_WRAPPER", "1") != "0"
-        self._compiled = torch.compile(_decode_logits, dynamic=None, options={"cpp_wrapper": cpp_wrapper})
+        compiler = torch.compile(_decode_logits, fullgraph=True, dynamic=None, options={"cpp_wrapper": cpp_wrapper})
+        sizes = [b for b in (1, 2) if b <= self.buckets[-1]]
+        key = self._graph_key(cpp_wrapper)
+        stage = ""
+        for i, b in enumerate(sizes):
+            args = self._bucket_args[b]
+            path = _graphs_dir() / f"decode-{key}-{'1' if b == 1 else 'n'}.bin"
+            if path.is_file():
+                stage = "loading the decode step optimized for this CPU"
+                if progress is not None:
+                    progress(stage, i, len(sizes))
+            fn = _load_graph(path, self.model, args)
+            if fn is None:
+                stage = "optimizing for this CPU (first run only)"
+                if progress is not None:
+                    progress(stage, i, len(sizes))
+                if b > 1:  # one graph for every batch size from 2 up
+                    for a in args:
+                        torch._dynamo.mark_dynamic(a, 0)
+                try:
+                    with torch.inference_mode():
+                        fn = compiler.aot_compile(((self.model, *args), {}))
+                except Exception as e:  # noqa: BLE001 - a model the compiler cannot take still runs
+                    logger.warning("compiling the decode step failed (%s: %s); decoding without it",
+                                   type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+                    self._unguarded.clear()
+                    self._decode_call = self._run_bucket_eager
+                    return
+                try:
+                    fn.save_compiled_function(str(path))
+                except (OSError, RuntimeError) as e:  # no cache this time: the next start compiles again
+                    logger.warning("could not save the compiled decode step to %s: %s", path, e)
+            # the key and the check at load cover what the guards would: call without them
+            # (a guarded call checked ~500 tensors, 3.5 ms of a 15 ms batch-1 step)
+            fn.disable_guard_check()
+            self._unguarded[b] = fn
         self._decode_call = self._run_bucket_compiled
         self._decode_gives_logits = True
-        sizes = [b for b in (1, 2) if b <= self.buckets[-1]]
-        stage = "optimizing for this CPU (first run only)"
-        for i, b in enumerate(sizes):
-            if progress is not None:
-                progress(stage, i, len(sizes))
-            with torch.inference_mode():
-                self._run_bucket_compiled(b)  # padding rows only: slot -1 writes nothing
-            # batch 1 is a graph of its own, every larger batch one dynamic graph (Dynamo's
-            # choice); this call made the newest, so it is this size's
-            unguarded = _without_guards(_decode_logits)
-            if unguarded is not None:
-                self._unguarded[b] = unguarded
-        if progress is not None:
+        if progress is not None and stage:
             progress(stage, len(sizes), len(sizes))
+
+    def _graph_key(self, cpp_wrapper: bool) -> str:
+        """What a saved decode graph was made for: this CPU, torch, Python, the CPU kernels'
+        source, the model's structure and every tensor the graph reads (names, shapes, dtypes)
+        and the static buffers. The source of the traced code is checked at load."""
+        from localllm.kernels import cpu_ops
+
+        h = hashlib.sha256()
+        for part in (cpu_ops.cpu_signature(), torch.__version__, sys.version, str(cpp_wrapper),
+                     cpu_ops.SOURCE.read_text(), type(self.model).__qualname__, repr(self.model.config)):
+            h.update(part.encode() + b"\0")
+        for name, t in self.model.state_dict(keep_vars=True).items():
+            h.update(f"{name}:{tuple(t.shape)}:{t.dtype}\0".encode())
+        for t in (*self.kv_caches[0], self.kv_scales, *self._bucket_args[self.buckets[-1]]):
+            h.update(f"{tuple(t.shape)}:{t.dtype}\0".encode())
+        h.update(f"{len(self.kv_caches)}\0".encode())
+        return h.hexdigest()[:24]
 
     def _capture_graphs(self, max_batch: int) -> None:
         """Captures one graph per batch bucket over the static input buffers."""
@@ -329,21 +379,32 @@ def _use_our_inductor_cache() -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(compiled_cache_dir() / "inductor")
 
 
-def _without_guards(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor] | None:
-    """The code Dynamo made of ``fn`` for its newest cache entry, as a function that runs it
-    without checking the entry's guards (None where this torch has no such entry list).
+def _graphs_dir() -> Path:
+    from localllm.kernels.cpu_ops import compiled_cache_dir
 
-    Why: a compiled call checks every cache entry's guards first, on the model's modules and
-    ~500 tensors, twice for batch 1 (the dynamic entry is tried first): measured 3.5 ms of a
-    15 ms batch-1 step. None can fail for the runner, the only caller: the model and the pool
-    are fixed after start-up, the static buffers keep their dtypes, and the batch size picks
-    the entry. A size the graph does not take fails its own size check, never silently."""
+    path = compiled_cache_dir() / "graphs"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _load_graph(
+    path: Path, model: LlamaForCausalLM, args: tuple[torch.Tensor, ...]
+) -> Callable[..., torch.Tensor] | None:
+    """The decode graph saved at ``path``, or None (and the caller compiles it anew) when
+    there is none, it does not load (another torch, a damaged file), its guards reject
+    these inputs, or the source of code it traced has changed since."""
+    if not path.is_file():
+        return None
     try:
-        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-
-        entries = _debug_get_cache_entry_list(fn.__code__)
-    except (ImportError, AttributeError, RuntimeError):
-        return None
-    if not entries:
-        return None
-    return types.FunctionType(entries[0].code, fn.__globals__, fn.__name__)
+        with open(path, "rb") as f:
+            fn = torch.compiler.load_compiled_function(f)
+        fresh = all(inspect.getsource(importlib.import_module(src.module)) == src.content
+                    for src in fn.source_info().inlined_sources)
+        # grad off, as when it was compiled (inference mode would also hide the autograd keys the guards check)
+        with torch.no_grad():
+            if fresh and fn.guard_check(model, *args):
+                return fn
+    except Exception as e:  # noqa: BLE001 - any failure here only means "compile it again"
+        logger.warning("the saved decode step %s does not load (%s: %s); compiling it again", path.name,
+                       type(e).__name__, e)
+    return None

@@ -60,3 +60,38 @@ def test_bucketed_static_buffers_match_plain(default_model_path: Path) -> None:
     buckets = LLM(str(default_model_path), dtype="float32", device="cpu", compile=False, decode_buckets=[1, 4])
     assert buckets.engine.runner.buckets == [1, 4]
     assert _tokens(buckets) == _tokens(plain)
+
+
+def test_a_later_start_loads_the_saved_graphs_and_a_damaged_one_is_rebuilt(
+    tmp_path: Path, tokenizer_folder: Path, compiling: None, monkeypatch: pytest.MonkeyPatch, caplog,  # noqa: F811, ANN001
+) -> None:
+    """The compiled decode graphs are saved under our cache folder; the next engine on the same
+    model (same shapes, same code) loads both instead of compiling, and gets the same tokens.
+    A damaged file is compiled again with a warning, never a failure."""
+    from localllm.engine import model_runner
+
+    loads: list[tuple[str, bool]] = []
+    real = model_runner._load_graph
+
+    def spy(path, model, args):  # noqa: ANN001, ANN202
+        fn = real(path, model, args)
+        loads.append((path.name, fn is not None))
+        return fn
+
+    monkeypatch.setattr(model_runner, "_load_graph", spy)
+    path = write_random_model(tmp_path / "llama", "LlamaForCausalLM", tokenizer_folder, tied=False)
+    eager = _tokens(LLM(str(path), dtype="float32", device="cpu", compile=False), 8)
+    first = LLM(str(path), dtype="float32", device="cpu", compile=True)  # compiles, or loads an earlier run's
+    assert _tokens(first, 8) == eager
+    loads.clear()
+    second = LLM(str(path), dtype="float32", device="cpu", compile=True)
+    assert [ok for _, ok in loads] == [True, True]  # batch 1 and the dynamic batch: both from disk
+    assert _tokens(second, 8) == eager
+
+    saved = model_runner._graphs_dir() / loads[0][0]
+    saved.write_bytes(b"not a graph")
+    loads.clear()
+    third = LLM(str(path), dtype="float32", device="cpu", compile=True)
+    assert [ok for _, ok in loads] == [False, True]
+    assert "does not load" in caplog.text and saved.stat().st_size > 1000  # compiled again and saved
+    assert _tokens(third, 8) == eager

@@ -221,7 +221,8 @@ async def test_async_engine_joins_a_fast_steps_outputs_without_losing_any(small_
     for hold, most in ((60.0, 2), (0.0, 1)):
         engine = AsyncEngine(small_pool_engine, stream_hold_s=hold)
         try:
-            runs = await asyncio.gather(*(stream(engine, f"Topic {i}: {t}.", 0.05 * i) for i, t in enumerate(TOPICS[:3])))
+            runs = await asyncio.gather(*(stream(engine, f"Topic {i}: {t}.", 0.05 * i)
+                                          for i, t in enumerate(TOPICS[:3])))
         finally:
             engine.shutdown()
         for i, (ids, text, final) in enumerate(runs):

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from localllm.engine.guided import mask_logits
-from localllm.engine.sequence import Sequence
+from localllm.engine.sequence import PenaltyState, Sequence, TokenColumn
 from localllm.kernels import cpu_ops
 
 if TYPE_CHECKING:
@@ -138,59 +138,15 @@ def _prefix_floors(vals: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor, vocab
     return torch.maximum(k_floor, p_floor), bool(short.any())
 
 
-class _Column:
-    """A 1-D device tensor used as a list that grows at its end (capacity doubles), so adding
-    an item is one small write, never a copy of what is there."""
-
-    __slots__ = ("data", "size")
-
-    def __init__(self, values: list[int] | list[float], dtype: torch.dtype, device: torch.device) -> None:
-        self.data = torch.zeros(max(2 * len(values), 64), dtype=dtype, device=device)
-        self.data[: len(values)] = torch.tensor(values, dtype=dtype)
-        self.size = len(values)
-
-    def append(self, value: float) -> None:
-        if self.size == self.data.shape[0]:
-            grown = torch.zeros(2 * self.size, dtype=self.data.dtype, device=self.data.device)
-            grown[: self.size] = self.data
-            self.data = grown
-        self.data[self.size] = value
-        self.size += 1
-
-    def view(self) -> torch.Tensor:
-        return self.data[: self.size]
-
-
-@dataclass(slots=True, eq=False)
-class PenaltyState:
-    """A sequence's tokens as its penalties need them, on the logits' device. The sampler is
-    its one writer and brings it up to date at each step for the tokens added since, so a
-    step costs the same whatever the length of the prompt and the reply, and touches only the
-    tokens seen, not the vocabulary (rebuilding counts over the vocabulary from every id each
-    step was ~1.2 ms a token on CPU).
-
-    Invariants, over the first ``absorbed`` output tokens: ``seen`` (only for a repetition
-    penalty) holds each distinct token of the prompt and those outputs once, ``seen_set`` the
-    same in Python; ``out_ids`` each distinct output token once, ``out_counts`` how often each
-    came, ``out_index`` where each is in ``out_ids``."""
-
-    seen: _Column | None
-    seen_set: set[int]
-    out_ids: _Column
-    out_counts: _Column
-    out_index: dict[int, int]
-    absorbed: int = 0
-
-
 def _penalty_state(seq: Sequence, device: torch.device) -> PenaltyState:
     state = seq.penalties
     if state is None:
         seen, seen_set = None, set()
         if seq.params.repetition_penalty != 1.0:  # the prompt is read once per request
             seen_set = set(seq.token_ids[: seq.num_prompt_tokens])
-            seen = _Column(sorted(seen_set), torch.long, device)
-        state = seq.penalties = PenaltyState(seen, seen_set, _Column([], torch.long, device),
-                                             _Column([], torch.float32, device), {})
+            seen = TokenColumn(sorted(seen_set), torch.long, device)
+        state = seq.penalties = PenaltyState(seen, seen_set, TokenColumn([], torch.long, device),
+                                             TokenColumn([], torch.float32, device), {})
     start = seq.num_prompt_tokens + state.absorbed
     for token in seq.token_ids[start:]:  # usually the one token of the last step
         at = state.out_index.get(token)

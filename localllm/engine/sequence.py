@@ -16,7 +16,6 @@ import torch
 from localllm.errors import InvalidParameterError
 from localllm.tokenizer import lone_surrogate
 
-
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 MAX_LOGPROBS = 20
 # vLLM's rule: below this, temperature means greedy (logits / 1e-7 overflow the softmax).
@@ -202,9 +201,9 @@ class TokenColumn:
 
 @dataclass(slots=True, eq=False)
 class PenaltyState:
-    """A sequence's tokens as the sampler's penalties need them, on the logits' device. The sampler is
-    its one writer and brings it up to date at each step for the tokens added since, so a
-    step costs the same whatever the length of the prompt and the reply, and touches only the
+    """A sequence's tokens as the sampler's penalties need them, on the logits' device. The
+    sampler is its one writer and brings it up to date at each step for the tokens added since,
+    so a step costs the same whatever the length of the prompt and the reply, and touches only the
     tokens seen, not the vocabulary (rebuilding counts over the vocabulary from every id each
     step was ~1.2 ms a token on CPU).
 

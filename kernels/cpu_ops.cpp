@@ -14,6 +14,10 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#ifdef __linux__
+#include <sched.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -1188,6 +1192,33 @@ at::Tensor gguf_dequantize(const at::Tensor& codes, const at::Tensor& d, const a
 
 #endif  // LOCALLLM_GGUF_KERNELS
 
+// Binds thread i of the calling thread's OpenMP team to CPU cpus[i] and returns, per team
+// thread, the one CPU its affinity now allows (-1: not bound to exactly one). Only a thread can
+// bind itself through this API, and the team's threads are reachable only inside a parallel
+// region: hence the region. Teams belong to the thread that opens them, so each thread that
+// runs the forward binds its own. Each index of a region over get_num_threads() items with
+// grain 1 runs on its own team thread, the same thread in every later region of that size.
+std::vector<int64_t> bind_threads(at::IntArrayRef cpus) {
+  const int64_t n = std::min<int64_t>(static_cast<int64_t>(cpus.size()), at::get_num_threads());
+  std::vector<int64_t> bound(std::max<int64_t>(n, 0), -1);
+#ifdef __linux__
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      if (cpus[i] < 0 || cpus[i] >= CPU_SETSIZE) continue;
+      cpu_set_t want;
+      CPU_ZERO(&want);
+      CPU_SET(static_cast<int>(cpus[i]), &want);
+      cpu_set_t now;
+      // skip the call when already bound: re-binding every step costs nothing then
+      if (sched_getaffinity(0, sizeof(now), &now) != 0 || !CPU_EQUAL(&now, &want))
+        sched_setaffinity(0, sizeof(want), &want);
+      if (sched_getaffinity(0, sizeof(now), &now) == 0 && CPU_EQUAL(&now, &want)) bound[i] = cpus[i];
+    }
+  });
+#endif
+  return bound;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(localllm_cpu, m) {
@@ -1197,6 +1228,7 @@ TORCH_LIBRARY(localllm_cpu, m) {
   m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def("topk_indices(Tensor logits, int k) -> Tensor");
   m.def("sample_rows(Tensor logits, float[] temps, int[] top_ks, float[] top_ps, float[] min_ps, float[] u) -> Tensor");
+  m.def("bind_threads(int[] cpus) -> int[]", &bind_threads);  // no tensor to dispatch on: a catch-all kernel
 #ifdef LOCALLLM_GGUF_KERNELS
   m.def("gguf_repack(Tensor weight, int type, int in_features) -> Tensor[]");
   m.def("gguf_linear(Tensor x, Tensor codes, Tensor d, Tensor c, int type, int levels) -> Tensor");

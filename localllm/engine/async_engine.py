@@ -160,6 +160,7 @@ class AsyncEngine:
             return
         finally:
             built.set()
+        self.engine.runner.keep_threads_bound()  # this thread only steps the engine
         self._run()
 
     def _run(self) -> None:

@@ -14,6 +14,7 @@ import os
 import platform
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from types import TracebackType
 from typing import Any
@@ -289,6 +290,35 @@ def _probe_cpu() -> CPUInfo:
         flags=frozenset(f for f in flags if f in _INTERESTING_FLAGS),
         arch=platform.machine() or "unknown",
     )
+
+
+def cpus_for_threads(threads: int, allowed: set[int] | None = None,
+                     core_of: Callable[[int], tuple[str, str]] | None = None) -> list[int] | None:
+    """One CPU for each of ``threads`` compute threads, each on its own physical core, from the
+    CPUs this process may use (``allowed``, default its affinity), lowest core first: what
+    OpenMP's ``OMP_PLACES=cores OMP_PROC_BIND=close`` would give, but chosen after start-up,
+    for the thread that runs the forward. ``core_of(cpu)``: (package, core) ids, default from
+    sysfs. None where binding cannot help or is not possible: one thread, more threads than
+    cores, or no affinity API (not Linux)."""
+    if threads < 2 or not hasattr(os, "sched_getaffinity"):
+        return None
+    allowed = os.sched_getaffinity(0) if allowed is None else allowed
+    core_of = core_of or _sysfs_core
+    first: dict[tuple[str, str], int] = {}
+    for cpu in sorted(allowed):
+        first.setdefault(core_of(cpu), cpu)
+    cpus = sorted(first.values())
+    return cpus[:threads] if threads <= len(cpus) else None
+
+
+def _sysfs_core(cpu: int) -> tuple[str, str]:
+    """(package, core) of a logical CPU; a CPU sysfs does not describe is its own core."""
+    base = f"/sys/devices/system/cpu/cpu{cpu}/topology/"
+    try:
+        with open(base + "physical_package_id") as pkg, open(base + "core_id") as core:
+            return pkg.read().strip(), core.read().strip()
+    except OSError:
+        return "cpu", str(cpu)
 
 
 def _probe_ram() -> tuple[int, int]:

@@ -4,6 +4,7 @@ aborts, prefix caching, stragglers, seeded sampling, failure isolation and the a
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import threading
 
@@ -339,3 +340,26 @@ async def test_async_engine_raises_on_the_failing_stream_only(small_pool_engine:
     for i, r in enumerate(results[:3]):
         assert r == _run_alone(small_pool_engine, small_pool_engine.tokenizer.encode(f"Topic {i}: {TOPICS[i]}."),
                                params)
+
+
+async def test_the_engine_thread_stays_bound_and_a_callers_thread_gets_its_affinity_back(
+        small_pool_engine: LLMEngine) -> None:
+    """A step binds the stepping thread's OpenMP team one thread per core; the engine's own
+    thread keeps that binding, a caller's thread (here the test's) gets its affinity back."""
+    cpus = small_pool_engine.runner.thread_cpus
+    if cpus is None:
+        pytest.skip("one core or one thread here: nothing to bind")
+    before = os.sched_getaffinity(0)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    alone = _run_alone(small_pool_engine, small_pool_engine.tokenizer.encode("Once upon a time"), params)
+    assert os.sched_getaffinity(0) == before and len(alone) == 3
+    engine = AsyncEngine(small_pool_engine)
+    try:
+        final = None
+        async for final in engine.generate("Once upon a time", params):
+            pass
+        assert final is not None and list(final.outputs[0].token_ids) == alone  # bound or not, the same tokens
+        assert await engine.call(lambda e: os.sched_getaffinity(0)) == {cpus[0]}
+    finally:
+        engine.shutdown()
+    assert os.sched_getaffinity(0) == before

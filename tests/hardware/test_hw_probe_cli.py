@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from localllm.cli import main
-from localllm.hardware.probe import MemoryMeter, measure_bandwidth, probe_hardware
+from localllm.hardware.probe import MemoryMeter, cpus_for_threads, measure_bandwidth, probe_hardware
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -126,3 +126,23 @@ def test_memory_meter_sees_touched_pages() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert int(out.stdout.strip()) >= 56 << 20
+
+
+def test_cpus_for_threads_takes_one_cpu_per_physical_core_from_those_allowed() -> None:
+    smt = lambda cpu: ("0", str(cpu % 4))  # noqa: E731 - 4 cores, siblings i and i + 4 (Linux's numbering)
+    assert cpus_for_threads(4, set(range(8)), smt) == [0, 1, 2, 3]
+    assert cpus_for_threads(2, set(range(8)), smt) == [0, 1]
+    assert cpus_for_threads(2, {5, 6, 2}, smt) == [2, 5]  # 6 shares a core with 2: the lower one
+    assert cpus_for_threads(3, {5, 6, 2}, smt) is None  # more threads than cores: the OS places them
+    assert cpus_for_threads(5, set(range(8)), smt) is None
+    assert cpus_for_threads(1, set(range(8)), smt) is None  # one thread: nothing to keep apart
+    two_sockets = lambda cpu: (str(cpu // 2), "0")  # noqa: E731 - core ids repeat per package
+    assert cpus_for_threads(2, {0, 1, 2, 3}, two_sockets) == [0, 2]
+
+
+def test_cpus_for_threads_reads_this_machines_topology() -> None:
+    allowed = os.sched_getaffinity(0)
+    cpus = cpus_for_threads(2)
+    if cpus is None:
+        pytest.skip("fewer than two cores here")
+    assert len(cpus) == 2 and set(cpus) <= allowed and cpus == sorted(cpus)

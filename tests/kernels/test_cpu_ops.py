@@ -1,7 +1,11 @@
 """The C++ CPU kernels (kernels/cpu_ops.cpp) against their torch references: paged attention
-read in place, the KV write, and the GGUF block linear."""
+read in place, the KV write, and the GGUF block linear; and the thread binding."""
 
 from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -167,3 +171,39 @@ def test_argmax_rows_match_torch_and_take_the_first_of_ties() -> None:
     got = argmax_rows(x)
     assert got.tolist() == x.argmax(-1).tolist()
     assert got[2] == 30000 and got[3] == 0
+
+
+def _threads_bound_to(cpu: int) -> int:
+    """Threads of this process whose affinity is exactly ``cpu`` (from /proc, not from the op)."""
+    n = 0
+    for status in Path("/proc/self/task").glob("*/status"):
+        try:
+            fields = dict(line.split(":\t", 1) for line in status.read_text().splitlines() if ":\t" in line)
+        except OSError:  # the thread ended meanwhile
+            continue
+        n += fields.get("Cpus_allowed_list", "").strip() == str(cpu)
+    return n
+
+
+def test_bind_threads_binds_each_thread_of_the_calling_threads_team() -> None:
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2 or not cpu_ops.load():
+        pytest.skip("needs two CPUs and the C++ ops")
+    want = allowed[::-1][:2]  # thread 0 (the caller) on the higher CPU: not what the OS would pick
+    seen: dict[str, object] = {}
+
+    def run() -> None:  # on its own thread, so the test process's main thread stays unbound
+        seen["team"] = torch.get_num_threads()
+        seen["bound"] = cpu_ops.bind_threads(want)
+        seen["caller"] = os.sched_getaffinity(0)
+        seen["workers"] = _threads_bound_to(want[1])
+        seen["again"] = cpu_ops.bind_threads(want)  # already bound: the same answer
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    if seen["team"] < 2:
+        pytest.skip("one OpenMP thread here")
+    assert seen["bound"] == want and seen["again"] == want
+    assert seen["caller"] == {want[0]} and seen["workers"] >= 1
+    assert os.sched_getaffinity(0) == set(allowed)

@@ -310,6 +310,7 @@ class ModelRunner:
                     return
                 try:
                     fn.save_compiled_function(str(path))
+                    _prune_graphs(path.parent)
                 except (OSError, RuntimeError) as e:  # no cache this time: the next start compiles again
                     logger.warning("could not save the compiled decode step to %s: %s", path, e)
             # the key and the check at load cover what the guards would: call without them
@@ -431,6 +432,24 @@ def _graphs_dir() -> Path:
     return path
 
 
+# Saved decode graphs kept, the most recently used first: a pair per model shape and CPU,
+# ~5 MB each for the default model, so eight models' pairs in ~80 MB.
+MAX_SAVED_GRAPHS = 16
+
+
+def _prune_graphs(directory: Path, keep: int = MAX_SAVED_GRAPHS) -> None:
+    """Deletes all but the ``keep`` most recently used graphs in ``directory`` (a load touches
+    its file): those of other models, other torch versions or other CPU kernels accumulate."""
+    graphs = []
+    for path in directory.glob("decode-*.bin"):
+        try:
+            graphs.append((path.stat().st_mtime, path))
+        except OSError:  # deleted meanwhile by another start
+            continue
+    for _, path in sorted(graphs, reverse=True)[keep:]:
+        path.unlink(missing_ok=True)
+
+
 def _load_graph(
     path: Path, model: LlamaForCausalLM, args: tuple[torch.Tensor, ...]
 ) -> Callable[..., torch.Tensor] | None:
@@ -447,6 +466,7 @@ def _load_graph(
         # grad off, as when it was compiled (inference mode would also hide the autograd keys the guards check)
         with torch.no_grad():
             if fresh and fn.guard_check(model, *args):
+                os.utime(path)  # in use: the last file _prune_graphs would delete
                 return fn
     except Exception as e:  # noqa: BLE001 - any failure here only means "compile it again"
         logger.warning("the saved decode step %s does not load (%s: %s); compiling it again", path.name,

@@ -95,3 +95,17 @@ def test_a_later_start_loads_the_saved_graphs_and_a_damaged_one_is_rebuilt(
     assert [ok for _, ok in loads] == [False, True]
     assert "does not load" in caplog.text and saved.stat().st_size > 1000  # compiled again and saved
     assert _tokens(third, 8) == eager
+
+
+def test_saved_graphs_beyond_the_limit_go_least_recently_used_first(tmp_path: Path) -> None:
+    from localllm.engine import model_runner
+
+    names = [f"decode-{i:024x}-1.bin" for i in range(5)]
+    for i, name in enumerate(names):
+        (tmp_path / name).write_bytes(b"graph")
+        os.utime(tmp_path / name, (1_000 + i, 1_000 + i))
+    os.utime(tmp_path / names[0], (2_000, 2_000))  # the oldest, but loaded last
+    (tmp_path / "notes.txt").write_text("not ours to delete")
+    model_runner._prune_graphs(tmp_path, keep=3)
+    assert sorted(p.name for p in tmp_path.glob("decode-*.bin")) == [names[0], names[3], names[4]]
+    assert (tmp_path / "notes.txt").read_text() == "not ours to delete"

@@ -134,7 +134,7 @@ def _local_report(result: RequestOutput, llm: LLMEngine, meter: MemoryMeter) -> 
     """What only the local engine knows: token ids, the KV cache, the plan, memory against it, its stats."""
     from localllm.hardware.planner import compare_memory
 
-    check = compare_memory(llm.plan, meter.actual_bytes)
+    check = compare_memory(llm.plan, meter.actual_bytes, compiled_graphs=llm.runner.graphs_compiled)
     measured_by = "torch.cuda.max_memory_allocated" if llm.device.type == "cuda" else "RSS growth"
     stats = llm.stats()
     return {

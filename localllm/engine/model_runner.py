@@ -100,6 +100,7 @@ class ModelRunner:
         self._decode_call: Callable[[int], torch.Tensor] | None = None
         self._decode_gives_logits = False  # the compiled path folds compute_logits in
         self._unguarded: dict[int, Callable[..., torch.Tensor]] = {}  # 1: batch 1, 2: larger
+        self.graphs_compiled = 0  # decode graphs compiled in this process, not loaded from disk
         # the CPUs the forward's OpenMP threads are bound to, one per core (None: the OS places them)
         self.thread_cpus = _thread_cpus() if self.device.type == "cpu" else None
         self._bound_for_good: threading.Thread | None = None  # the thread keep_threads_bound bound
@@ -308,6 +309,7 @@ class ModelRunner:
                     self._unguarded.clear()
                     self._decode_call = self._run_bucket_eager
                     return
+                self.graphs_compiled += 1
                 try:
                     fn.save_compiled_function(str(path))
                     _prune_graphs(path.parent)

@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 
 from localllm.engine.scheduler import ScheduledBatch
+from localllm.engine.sequence import Sequence
 from localllm.hardware.probe import cpus_for_threads
 from localllm.kernels import cpu_ops
-from localllm.engine.sequence import Sequence
 from localllm.models.llama import AttentionMetadata, LlamaForCausalLM, kv_scale_tensor
 
 logger = logging.getLogger(__name__)
@@ -328,8 +328,6 @@ class ModelRunner:
         """What a saved decode graph was made for: this CPU, torch, Python, the CPU kernels'
         source, the model's structure and every tensor the graph reads (names, shapes, dtypes)
         and the static buffers. The source of the traced code is checked at load."""
-        from localllm.kernels import cpu_ops
-
         h = hashlib.sha256()
         for part in (cpu_ops.cpu_signature(), torch.__version__, sys.version, str(cpp_wrapper),
                      cpu_ops.SOURCE.read_text(), type(self.model).__qualname__, repr(self.model.config)):
@@ -414,8 +412,6 @@ def _use_our_inductor_cache() -> None:
     user chose one. Importing Dynamo fills ``TORCHINDUCTOR_CACHE_DIR`` with torch's default,
     a folder in /tmp that a reboot empties, so that default is replaced too: a cold cache
     costs the first start minutes of compiling."""
-    from localllm.kernels.cpu_ops import compiled_cache_dir
-
     try:
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
@@ -423,13 +419,11 @@ def _use_our_inductor_cache() -> None:
     except ImportError:
         torch_default = None
     if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, torch_default):
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(compiled_cache_dir() / "inductor")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cpu_ops.compiled_cache_dir() / "inductor")
 
 
 def _graphs_dir() -> Path:
-    from localllm.kernels.cpu_ops import compiled_cache_dir
-
-    path = compiled_cache_dir() / "graphs"
+    path = cpu_ops.compiled_cache_dir() / "graphs"
     path.mkdir(parents=True, exist_ok=True)
     return path
 

@@ -206,7 +206,6 @@ class _Target:
     seqs_cap: int
     batched_tokens: int
     cpu_runtime: int = 0  # CPU only: what the runtime holds beside weights, KV and activations
-    cpu_compile: bool = False  # CPU only: the decode runs through torch.compile (CPU_COMPILE_BYTES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -401,8 +400,6 @@ def _fit(model: ModelDims, t: _Target, rung: _Rung, graphs: bool, batched_tokens
         context = CUDA_CONTEXT_BYTES
     else:
         runtime, context = t.cpu_runtime, 0
-        if t.cpu_compile:
-            runtime += CPU_COMPILE_BYTES
         if rung.quant == "awq":  # the CPU kernel's own int4 layout beside the AWQ tensors
             c = param_counts(model)
             runtime += int(c.block_linear / 2 + c.awq_groups * 4)
@@ -449,7 +446,7 @@ def plan(
     wanted = context if context is not None else min(model_max or DEFAULT_CONTEXT, DEFAULT_CONTEXT)
     need = wanted * chats
     t = _target(hw, gpu_memory_utilization)
-    t = replace(t, cpu_runtime=CPU_RUNTIME_BYTES, cpu_compile=cpu_compile)
+    t = replace(t, cpu_runtime=CPU_RUNTIME_BYTES + (CPU_COMPILE_BYTES if cpu_compile else 0))
     ladder = _ladder(t, hw, quant, dtype)
     if t.device == "cpu" and cpu_gguf and (quant in (None, "gguf")) and dtype is None:
         ladder = [_Rung("float32", "gguf", cpu_gguf)] + ([] if quant else ladder)

@@ -7,6 +7,7 @@ import argparse
 import importlib
 import os
 import sys
+import traceback
 from collections.abc import Callable, MutableMapping, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
@@ -112,6 +113,8 @@ environment variables:
                         platform's cache, data and config folders)
   LOCALLLM_CATALOG      a models.toml to use instead of the packaged catalog
   LOCALLLM_API_KEY      the key `serve` requires when --api-key is not given
+  LOCALLLM_ALLOWED_HOSTS, LOCALLLM_ALLOWED_ORIGINS
+                        `serve`'s --allowed-hosts and --allowed-origins when not given
   LOCALLLM_GEMM_BACKEND triton or torch: pin the quantized GEMMs on a GPU (default: measured)
   LOCALLLM_QUANT_CPU_INT8, LOCALLLM_QUANT_CPU_INT4
                         dequant: run int8 / int4 weights on the CPU by dequantizing them
@@ -124,6 +127,7 @@ environment variables:
   LOCALLLM_CACHE_DIR    where the CPU kernels and compiled graphs built for this machine are
                         kept (default: the platform's cache folder; not moved by LOCALLLM_HOME)
   LOCALLLM_CPU_OPS      0: do not build or use localllm's C++ CPU kernels (torch references)
+  LOCALLLM_REMEASURE    1: time again the kernel choices kept from this machine's first start
   LOCALLLM_BIND_THREADS 0: leave the CPU forward's threads where the OS puts them (default:
                         one per physical core, the engine's thread included)
   LOCALLLM_CPP_WRAPPER  0: compile the CPU decode with Inductor's Python wrapper (comparisons)
@@ -184,8 +188,8 @@ def _main(argv: Sequence[str] | None) -> int:
     try:
         return int(args.func(args) or 0)
     except LocalLLMError as e:
-        if args.debug:
-            raise
+        if args.debug:  # the traceback too; still exit 2: bad input is bad input, debug or not
+            traceback.print_exc()
         print(f"localllm: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -104,8 +104,11 @@ def test_prompt_longer_than_context(tiny_model: Path) -> None:
     ("run", "--model", "no-such-model", "hi", "--debug"),
 ])
 def test_debug_anywhere_shows_the_traceback(args: tuple[str, ...]) -> None:
+    """Issue 33: the traceback, and still exit code 2 for bad input (it was 1) with the one line last."""
     proc = cli(*args)
-    assert proc.returncode != 0 and "Traceback" in proc.stderr and "no-such-model" in proc.stderr
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" in proc.stderr and "no-such-model" in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("localllm: error:"), proc.stderr
 
 
 def test_bad_sampling_flag_fails_before_loading() -> None:
@@ -133,10 +136,6 @@ def test_bad_sampling_flags_fail_before_loading() -> None:
     for flag, value in (("--temperature", "nan"), ("--top-p", "inf"), ("--max-tokens", "0"), ("--top-k", "-5")):
         assert_one_line_error(cli("run", "--model", "/no/such/model", flag, value, "hi"), flag[2:].replace("-", "_"))
 
-
-def test_debug_shows_the_traceback() -> None:
-    proc = cli("--debug", "run", "--model", "no-such-model", "hi")
-    assert proc.returncode != 0 and "Traceback" in proc.stderr
 
 
 def test_run_json_reports_tokens_timings_and_memory(tiny_model: Path) -> None:

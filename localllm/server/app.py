@@ -21,6 +21,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -37,6 +38,8 @@ from localllm.engine.engine import RequestOutput
 from localllm.engine.guided import GrammarError
 from localllm.engine.sequence import SamplingParams, choice_seed
 from localllm.errors import InvalidParameterError, LocalLLMError
+from localllm.server.allow_lists import AllowLists
+from localllm.server.browser_guard import BrowserGuard
 from localllm.server.protocol import (
     APIError,
     ChatRequest,
@@ -130,6 +133,16 @@ class _Admission:
                              "(--request-timeout) and was stopped", type_="server_error", code="timeout")
 
 
+def public_model_name(name: str) -> str:
+    """The model's name as the routes show it: a catalog or hub id as it is, a local file or
+    folder by its last component. The path itself would tell anyone who can reach /health the
+    user's name and folder layout."""
+    path = Path(name).expanduser()
+    if path.is_absolute() or name.startswith((".", "~")) or path.exists():
+        return path.resolve().name or name
+    return name
+
+
 def _make_state(engine: AsyncEngine, model_name: str | None) -> _State:
     llm = engine.engine
     tokenizer = engine.tokenizer
@@ -138,8 +151,8 @@ def _make_state(engine: AsyncEngine, model_name: str | None) -> _State:
     def token_text(token_id: int) -> str:
         return tokenizer.decode([token_id], skip_special_tokens=False)
 
-    return _State(engine, model_name or llm.model_name, llm.context_limit, llm.runner.model.config.vocab_size,
-                  int(time.time()), token_text, dict(llm.sampling_defaults))
+    return _State(engine, model_name or public_model_name(llm.model_name), llm.context_limit,
+                  llm.runner.model.config.vocab_size, int(time.time()), token_text, dict(llm.sampling_defaults))
 
 
 def _fan_in(engine: AsyncEngine, jobs: list[Job]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -469,13 +482,16 @@ class _BearerAuth:
 def create_app(
     engine: AsyncEngine, *, model_name: str | None = None, api_key: str | None = None,
     max_body_bytes: int = MAX_BODY_BYTES, max_waiting: int | None = None, request_timeout: float | None = None,
+    allow: AllowLists | None = None,
 ) -> Starlette:
     """The ASGI app. ``engine`` must be running (its thread started); the app never stops it.
-    ``max_waiting`` and ``request_timeout`` (seconds) are off when None."""
+    ``max_waiting`` and ``request_timeout`` (seconds) are off when None. ``allow`` names the
+    hosts and web origins answered besides loopback ones (default: none, see ``BrowserGuard``)."""
     if api_key is not None and not api_key:
         raise LocalLLMError("the API key is empty; pass a key, or None to serve without one")
     state = _make_state(engine, model_name)
     state.limits = _Limits(max_waiting, request_timeout)
+    engine.engine.guided.warm()  # now, while no stream runs: it holds the GIL for about a second
 
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok", "model": state.model})
@@ -565,7 +581,8 @@ def create_app(
         assert isinstance(exc, HTTPException)
         return JSONResponse(APIError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
 
-    middleware = [Middleware(_InternalErrors)]
+    # the guard before the key check: a preflight carries no key, and a refused page learns nothing
+    middleware = [Middleware(_InternalErrors), Middleware(BrowserGuard, lists=allow or AllowLists())]
     if api_key:
         middleware.append(Middleware(_BearerAuth, api_key=api_key))
     return Starlette(
@@ -761,6 +778,7 @@ def serve_command(args: argparse.Namespace, sock: socket.socket) -> int:
         server = _uvicorn(create_app(
             engine, model_name=args.served_model_name, api_key=args.api_key,
             max_waiting=args.max_waiting or None, request_timeout=args.request_timeout or None,
+            allow=args.allow_lists,
         ))
 
         async def announce() -> None:

@@ -8,6 +8,7 @@ import sys
 
 from localllm.cli_common import add_engine_args, add_model_arg
 from localllm.errors import LocalLLMError
+from localllm.server.allow_lists import HOSTS_ENV, ORIGINS_ENV, allow_lists
 from localllm.server.sockets import bind_socket
 
 DEFAULT_MAX_WAITING = 256
@@ -29,6 +30,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health "
                         "(default: $LOCALLLM_API_KEY)")
+    p.add_argument("--allowed-hosts", default=None, metavar="HOSTS",
+                   help="comma-separated host names the server answers to besides loopback ones and the --host "
+                        "address (requests naming another host get 403, against DNS rebinding), e.g. myhost.lan; "
+                        f"'*' for any (default: ${HOSTS_ENV})")
+    p.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
+                   help="comma-separated origins (scheme://host[:port]) of web UIs allowed to call the API from a "
+                        "browser, e.g. http://localhost:3000; they get CORS headers, any other page gets 403; "
+                        f"'*' for any (default: ${ORIGINS_ENV}, else none)")
     p.add_argument("--served-model-name", default=None, help="the model id clients see (default: the model's name)")
     p.add_argument("--chats", type=int, default=4,
                    help="concurrent long chats to size the KV cache for (default 4; short requests share it)")
@@ -49,6 +58,7 @@ def serve(args: argparse.Namespace) -> int:
         raise LocalLLMError(f"--max-waiting {args.max_waiting}: must be a number of requests, or 0 for no limit")
     if not args.request_timeout >= 0 or args.request_timeout == float("inf"):  # NaN fails the first test
         raise LocalLLMError(f"--request-timeout {args.request_timeout}: must be seconds, or 0 for no limit")
+    args.allow_lists = allow_lists(args.host, args.allowed_hosts, args.allowed_origins)
     # Bind before importing torch and loading the model: a busy port fails in a second.
     sock = bind_socket(args.host, args.port)
     from localllm.server.app import serve_command

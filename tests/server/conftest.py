@@ -29,6 +29,11 @@ class Served:
     def base(self) -> str:
         return f"{self.url}/v1"
 
+    @property
+    def model(self) -> str:
+        """The id the server shows: the model file's name, never its path."""
+        return Path(self.engine.engine.model_name).name
+
     def wait_idle(self, timeout: float = 20.0) -> None:
         """Until no request is left in the engine and every KV block is free again."""
         llm = self.engine.engine

@@ -32,8 +32,20 @@ def _greedy(client: openai.OpenAI, **kw: Any) -> Any:
 
 def test_models_and_health(served: Served, client: openai.OpenAI) -> None:
     models = client.models.list().data
-    assert [m.id for m in models] == [served.engine.engine.model_name]
-    assert httpx.get(f"{served.url}/health").json()["status"] == "ok"
+    assert [m.id for m in models] == [served.model]
+    assert httpx.get(f"{served.url}/health").json() == {"status": "ok", "model": served.model}
+
+
+def test_open_routes_show_the_models_name_not_its_path(served: Served) -> None:
+    """Issue 33: /health (open even with a key), /v1/models and /metrics showed the file's absolute path."""
+    path = served.engine.engine.model_name
+    assert path.startswith("/") and path.endswith(".gguf")  # the engine was loaded from a path
+    name = path.rsplit("/", 1)[1]
+    texts = [httpx.get(f"{served.url}/health").text, httpx.get(f"{served.base}/models").text,
+             httpx.get(f"{served.url}/metrics").text]
+    for text in texts:
+        assert name in text and path not in text and path.rsplit("/", 1)[0] not in text, text[:300]
+    assert f'model_name="{name}"' in texts[2]
 
 
 def test_models_reports_the_context_and_the_sampling_defaults(served: Served) -> None:
@@ -321,7 +333,8 @@ def test_body_over_the_limit_is_413(served: Served) -> None:
         for _ in range(6):
             yield b" " * 2**20
 
-    r = httpx.post(f"{served.base}/chat/completions", content=chunks(), timeout=60)
+    r = httpx.post(f"{served.base}/chat/completions", content=chunks(), headers={"content-type": "application/json"},
+                   timeout=60)
     assert r.status_code == 413
 
 

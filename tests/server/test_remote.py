@@ -52,14 +52,14 @@ async def test_remote_chat_matches_the_local_engine(served: Served) -> None:
     m = final.metrics
     assert m.first_token_time is not None and m.ttft is not None and m.ttft > 0
     stats = remote.stats()
-    assert stats.device == "remote" and stats.model == served.engine.engine.model_name
+    assert stats.device == "remote" and stats.model == served.model
     assert stats.prompt_tokens == len(final.prompt_token_ids)
     await remote.aclose()
     remote.shutdown()
 
 
 async def test_remote_raw_prompt_uses_completions(served: Served) -> None:
-    remote = RemoteEngine(served.url, model=served.engine.engine.model_name)
+    remote = RemoteEngine(served.url, model=served.model)
     outs = await _collect(remote, "The sky is", SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
     assert outs[-1].outputs[0].finish_reason == "length" and len(outs[-1].outputs[0].token_ids) == 5
     await remote.aclose()
@@ -120,7 +120,7 @@ def test_run_endpoint_json_in_a_subprocess(served: Served) -> None:
     )
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
-    assert report["device"] == "remote" and report["model"] == served.engine.engine.model_name
+    assert report["device"] == "remote" and report["model"] == served.model
     assert 0 < report["completion_tokens"] <= 6 and report["prompt_tokens"] > 0
     assert report["timings"]["ttft_s"] > 0
 

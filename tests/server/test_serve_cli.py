@@ -40,7 +40,7 @@ def _ready_url(proc: subprocess.Popen[str], timeout: float) -> str:
 
 
 def test_serve_subprocess_with_api_key(default_model_path: Path) -> None:
-    env = {**os.environ, "LOCALLLM_API_KEY": "k-sub"}
+    env = {**os.environ, "LOCALLLM_API_KEY": "k-sub", "LOCALLLM_ALLOWED_ORIGINS": "http://localhost:3000"}
     proc = subprocess.Popen(
         [*SERVE, "--model", str(default_model_path), "--port", "0", "--max-model-len", "512", "--chats", "1",
          "--device", "cpu"],
@@ -50,8 +50,16 @@ def test_serve_subprocess_with_api_key(default_model_path: Path) -> None:
         url = _ready_url(proc, timeout=150)
         assert url.startswith("http://127.0.0.1:") and url.endswith("/v1")
         root = url.removesuffix("/v1")
-        assert httpx.get(f"{root}/health").status_code == 200
+        assert httpx.get(f"{root}/health").json() == {"status": "ok", "model": default_model_path.name}
         assert httpx.get(f"{url}/models").status_code == 401
+        # issue 33: a foreign Host or Origin is refused; the origin from the environment is answered
+        port = root.rsplit(":", 1)[1]
+        assert httpx.get(f"{root}/health", headers={"Host": f"evil.example:{port}"}).status_code == 403
+        assert httpx.get(f"{root}/health", headers={"Origin": "http://evil.example"}).status_code == 403
+        preflight = httpx.options(f"{url}/chat/completions", headers={
+            "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"})
+        assert preflight.status_code == 204
+        assert preflight.headers["access-control-allow-origin"] == "http://localhost:3000"
         client = openai.OpenAI(base_url=url, api_key="k-sub", max_retries=0, timeout=60)
         r = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
         assert r.usage.completion_tokens >= 1
@@ -85,6 +93,8 @@ def test_serve_bad_port_fails_fast_on_one_line(port: str) -> None:
     (["--max-waiting", "-1"], {}, "--max-waiting -1"),
     (["--request-timeout", "nan"], {}, "--request-timeout nan"),
     (["--request-timeout", "-5"], {}, "--request-timeout -5"),
+    (["--allowed-origins", "localhost:3000"], {}, "--allowed-origins: 'localhost:3000' is not an origin"),
+    ([], {"LOCALLLM_ALLOWED_HOSTS": "http://x"}, "LOCALLLM_ALLOWED_HOSTS: 'http://x'"),
 ])
 def test_bad_serve_settings_fail_fast_on_one_line(args: list[str], env: dict[str, str], words: str) -> None:
     """An empty key used to turn authentication off without a word."""

@@ -20,6 +20,7 @@ from pydantic import BaseModel
 
 from localllm.engine.async_engine import AsyncEngine
 from localllm.engine.engine import EngineConfig, LLMEngine
+from localllm.engine.guided import GrammarCompiler
 from localllm.server.app import create_app, start_server_thread
 from tests.server.conftest import Served
 
@@ -196,6 +197,9 @@ def test_vllm_guided_extras_on_both_endpoints(client: openai.OpenAI) -> None:
     ("chat/completions", {"response_format": {"type": "yaml"}}, "response_format", "not supported"),
     ("chat/completions", {"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "send one"),
     ("completions", {"guided_grammar": "root ::= (", "stream": True}, "guided_grammar", "grammar"),
+    # issue 33: the grammar engine bounds a schema's size (a 50,000-value enum, 1 MB, is refused in ~0.1 s)
+    ("chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "string", "enum": [f"value-{i}" for i in range(50_000)]}}}}, "response_format", "schema too large"),
 ])
 def test_grammars_that_cannot_compile_are_400(served: Served, path: str, body: dict, param: str,
                                               fragment: str) -> None:
@@ -205,6 +209,21 @@ def test_grammars_that_cannot_compile_are_400(served: Served, path: str, body: d
     error = r.json()["error"]
     assert error["param"] == param and fragment in error["message"] and error["type"] == "invalid_request_error"
     served.wait_idle()
+
+
+def test_the_grammar_tokenizer_is_built_with_the_app(served: Served) -> None:
+    """Issue 33: llguidance builds its tokenizer holding the GIL for about a second; built by
+    the first structured request, it stalled every stream running beside it (a 1.27 s gap in
+    the probe). The app builds it before it takes a request."""
+    llm = served.engine.engine
+    used = llm.guided
+    llm.guided = GrammarCompiler(llm.tokenizer, llm.runner.model.config.vocab_size)  # as a fresh engine has it
+    try:
+        assert llm.guided._llg_tokenizer is None
+        create_app(served.engine)
+        assert llm.guided._llg_tokenizer is not None
+    finally:
+        llm.guided = used
 
 
 def test_bad_shapes_are_422(served: Served) -> None:

@@ -34,6 +34,7 @@ SAMPLING_KEYS: dict[str, type] = {
 }
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_GGUF_MIX = re.compile(r"^(F16|BF16|F32|I?Q[1-8]_[0-9A-Z_]+)$")  # llama.cpp's names: Q4_K_M, Q8_0, IQ4_XS
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +70,9 @@ class CatalogEntry:
     config_source: str = field(default="")
     # Sampling defaults for this model (SAMPLING_KEYS only); the engine validates the ranges.
     sampling: dict[str, float | int] = field(default_factory=dict)
+    # Published GGUF file sizes in bytes by llama.cpp quantization name ("Q4_K_M"): what the
+    # planner sizes a GGUF plan of this model by (hardware/sizing.py gguf_catalog_weights).
+    gguf_sizes: dict[str, int] = field(default_factory=dict)
 
 
 _cache: dict[Path, dict[str, CatalogEntry]] = {}
@@ -221,7 +225,20 @@ def _parse_entry(path: Path, index: int, table: Any) -> CatalogEntry:
         notes=f.text("notes", default=""),
         config_source=f.text("config_source", default=""),
         sampling=_parse_sampling(f),
+        gguf_sizes=_parse_gguf_sizes(f),
     )
+
+
+def _parse_gguf_sizes(f: _Fields) -> dict[str, int]:
+    raw = f.get("gguf_sizes", dict, default={})
+    sizes: dict[str, int] = {}
+    for key, value in raw.items():
+        if not _GGUF_MIX.match(key):
+            raise f.fail(f"gguf_sizes.{key}", "expected a llama.cpp quantization name such as Q4_K_M or Q8_0")
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise f.fail(f"gguf_sizes.{key}", f"expected a positive number of bytes, got {value!r}")
+        sizes[key] = value
+    return sizes
 
 
 def _parse_sampling(f: _Fields) -> dict[str, float | int]:

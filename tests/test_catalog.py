@@ -146,6 +146,9 @@ def test_the_default_model_has_sampling_defaults_that_stay_on_topic(catalog: dic
     (GOOD.replace('notes = ""', 'notes = ""\nsampling = { temp = 0.5 }'), "field 'sampling.temp': unknown sampling key"),
     (GOOD.replace('notes = ""', 'notes = ""\nsampling = { top_k = 2.5 }'), "field 'sampling.top_k': expected an integer"),
     (GOOD.replace('notes = ""', 'notes = ""\nsampling = { top_p = "0.9" }'), "field 'sampling.top_p': expected a number"),
+    (GOOD.replace('notes = ""', 'notes = ""\ngguf_sizes = { q4km = 5 }'), "field 'gguf_sizes.q4km': expected a llama.cpp"),
+    (GOOD.replace('notes = ""', 'notes = ""\ngguf_sizes = { Q4_K_M = "4.9 GB" }'), "field 'gguf_sizes.Q4_K_M': expected a positive"),
+    (GOOD.replace('notes = ""', 'notes = ""\ngguf_sizes = { Q4_K_M = 0 }'), "field 'gguf_sizes.Q4_K_M': expected a positive"),
     (GOOD.replace("[[model]]", "[[model]\n"), "not valid TOML"),
     ("", "no [[model]] tables"),
 ])
@@ -156,6 +159,17 @@ def test_malformed_catalog_names_file_entry_and_field(tmp_path: Path, broken: st
     message = str(info.value)
     assert str(path) in message and where in message
     assert "\n" not in message
+
+
+def test_gguf_sizes_are_bytes_by_llama_cpp_quantization_name(tmp_path: Path) -> None:
+    text = GOOD.replace('notes = ""', 'notes = ""\ngguf_sizes = { Q4_K_M = 4_920_000_000, Q8_0 = 8_540_000_000 }')
+    assert load_catalog(_write(tmp_path, text))["tiny"].gguf_sizes == {"Q4_K_M": 4_920_000_000, "Q8_0": 8_540_000_000}
+    (tmp_path / "plain").mkdir()
+    assert load_catalog(_write(tmp_path / "plain", GOOD))["tiny"].gguf_sizes == {}
+
+
+def test_llama_8b_carries_its_published_q4_k_m_size(catalog: dict[str, CatalogEntry]) -> None:
+    assert catalog["llama-3.1-8b-instruct"].gguf_sizes == {"Q4_K_M": 4_920_000_000}
 
 
 def test_bad_pypi_checksum_is_rejected(tmp_path: Path) -> None:

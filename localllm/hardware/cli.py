@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from localllm.errors import LocalLLMError
@@ -17,9 +19,27 @@ from localllm.hardware.sizing import KV_CACHE_DTYPES
 if TYPE_CHECKING:
     from localllm.catalog import CatalogEntry
     from localllm.hardware.probe import Hardware
+    from localllm.hardware.sizing import GGUFWeights, ModelDims
 
 JSON_SCHEMA_VERSION = 1
 TABLE_CONTEXT = 8192  # the "chats at 8K" column
+PROBE_QUANTS = ("awq", "fp8", "int8", "gguf")
+# What the probe says a GGUF plan on the CPU runs on (the engine measures its choice at load).
+CPU_GGUF_WHY = "gguf: the file's blocks as stored, on localllm's CPU kernels"
+
+
+@dataclass(frozen=True, slots=True)
+class _Model:
+    """One row's model: a catalog entry, or a GGUF file named with --model."""
+
+    id: str
+    hf_repo: str
+    architecture: str
+    supported: bool
+    params: int
+    max_context: int
+    dims: ModelDims
+    gguf: GGUFWeights | None = None  # a file's tensors, or the catalog's Q4_K_M with --quant gguf
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -28,10 +48,16 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="show the hardware and the precision, context and speed bound of each catalog model",
         description="Probe this machine (or a GPU you name) and plan every catalog model on it.",
     )
-    p.add_argument("--model", "-m", default=None, help="one catalog id (default: every catalog model)")
+    p.add_argument("--model", "-m", default=None,
+                   help="one catalog id, or a .gguf file sized from its tensors (default: every catalog model)")
     p.add_argument("--gpu", default=None, help='plan for a GPU you do not have, e.g. "RTX 4090"')
     p.add_argument("--vram", type=float, default=None,
                    help="GiB of VRAM: with --gpu it overrides the card's size, alone it plans for any such card")
+    p.add_argument("--vram-used", type=float, default=None, metavar="GIB",
+                   help="with --gpu/--vram: GiB of that card held by other processes (the desktop, a browser)")
+    p.add_argument("--quant", choices=PROBE_QUANTS, default=None,
+                   help="plan at this quantization (gguf: each catalog model's Q4_K_M GGUF) instead of the"
+                        " planner's choice")
     p.add_argument("--context", type=int, default=None,
                    help=f"tokens per chat to plan for (default: {TABLE_CONTEXT:,}, or less if the model allows less)")
     p.add_argument("--chats", type=int, default=1, help="chats running at once (default 1)")
@@ -59,6 +85,11 @@ def run(args: argparse.Namespace) -> int:
     if args.vram is not None and not args.vram > 0:
         raise LocalLLMError(f"--vram must be a positive number of GiB, got {args.vram}")
     hypothetical = bool(args.gpu) or args.vram is not None
+    if args.vram_used is not None and not hypothetical:
+        raise LocalLLMError("--vram-used describes a card named with --gpu or --vram; for this machine's GPU"
+                            " the probe reads what other processes hold")
+    if args.vram_used is not None and not args.vram_used >= 0:
+        raise LocalLLMError(f"--vram-used must be 0 or more GiB, got {args.vram_used}")
     if args.measure and hypothetical:
         raise LocalLLMError("--measure measures this machine; it cannot be combined with --gpu or --vram")
 
@@ -67,18 +98,23 @@ def run(args: argparse.Namespace) -> int:
 
         lookup_gpu(args.gpu)  # an unknown name fails now, before the (slow) probe
     catalog = load_catalog()
-    if args.model is not None:
+    if args.model is not None and args.model.lower().endswith(".gguf"):
+        models = [_gguf_file_model(Path(args.model).expanduser(), args.quant)]
+    elif args.model is not None:
         entry = catalog.get(args.model) or next(
             (e for e in catalog.values() if args.model.lower() in (e.id.lower(), e.hf_repo.lower())), None)
         if entry is None:
-            raise LocalLLMError(f"unknown catalog model {args.model!r}; `localllm models` lists the catalog ids")
-        entries = [entry]
+            raise LocalLLMError(f"unknown catalog model {args.model!r}; `localllm models` lists the catalog ids,"
+                                " or name a .gguf file")
+        models = [_catalog_model(entry, args.quant)]
     else:
-        entries = list(catalog.values())
+        models = [_catalog_model(e, args.quant) for e in catalog.values()]
 
     hw = probe_hardware()
     if hypothetical:
         hw = hardware_for_gpu(args.gpu, args.vram, base=hw)
+        if args.vram_used is not None:
+            hw = _with_vram_used(hw, args.vram_used)
 
     bandwidth: float | None = None
     bandwidth_source = "none"
@@ -96,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
         bandwidth_source = {"table": "GPU table", "nvml": "NVML clock x bus width"}.get(hw.gpu.bandwidth_source,
                                                                                          hw.gpu.bandwidth_source)
 
-    rows = [_row(e, hw, args, bandwidth, strict=args.model is not None) for e in entries]
+    rows = [_row(m, hw, args, bandwidth, strict=args.model is not None) for m in models]
     doc = {
         "schema_version": JSON_SCHEMA_VERSION,
         "hardware": hw.to_dict(),
@@ -106,6 +142,8 @@ def run(args: argparse.Namespace) -> int:
             "chats": args.chats,
             "gpu_memory_utilization": args.gpu_memory_utilization,
             "kv_cache_dtype": args.kv_cache_dtype,
+            "quant": args.quant,
+            "vram_used_gib": args.vram_used,
             "table_context": TABLE_CONTEXT,
         },
         "models": rows,
@@ -118,19 +156,57 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _catalog_model(entry: CatalogEntry, quant: str | None) -> _Model:
+    from localllm.hardware.sizing import gguf_catalog_weights
+
+    return _Model(entry.id, entry.hf_repo, entry.architecture, entry.supported, entry.params, entry.max_context,
+                  entry, gguf_catalog_weights(entry) if quant == "gguf" else None)
+
+
+def _gguf_file_model(path: Path, quant: str | None) -> _Model:
+    """A user's GGUF file: its dims from the metadata, its weights from its tensors' real types."""
+    from localllm.hardware.sizing import count_params, gguf_weights_from_file
+    from localllm.models.loader import open_checkpoint
+
+    if quant not in (None, "gguf"):
+        raise LocalLLMError(f"--quant {quant} with a .gguf file: the file's blocks are planned as they are;"
+                            " leave --quant out")
+    if not path.is_file():
+        raise LocalLLMError(f"{path}: no such file; --model takes a catalog id or a .gguf file")
+    cfg = open_checkpoint(path).config
+    return _Model(path.name, str(path), cfg.architecture, True, count_params(cfg), cfg.max_context, cfg,
+                  gguf_weights_from_file(path))
+
+
+def _with_vram_used(hw: Hardware, used_gib: float) -> Hardware:
+    """The planned-for card with ``used_gib`` held by other processes, as NVML would report it."""
+    from localllm.hardware.probe import GiB
+
+    gpu = hw.gpus[0]
+    used = int(used_gib * GiB)
+    if used >= gpu.total_bytes:
+        raise LocalLLMError(f"--vram-used {used_gib:g} GiB is not less than the card's"
+                            f" {gpu.total_bytes / GiB:g} GiB")
+    notes = [n for n in hw.notes if "otherwise idle" not in n]
+    notes.insert(0, f"planning for a GPU this machine does not have, with {used_gib:g} GiB of it held by"
+                    " other processes")
+    return replace(hw, gpus=(replace(gpu, free_bytes=gpu.total_bytes - used, others_bytes=used),), notes=tuple(notes))
+
+
 def _row(
-    entry: CatalogEntry, hw: Hardware, args: argparse.Namespace, bandwidth: float | None, *, strict: bool
+    model: _Model, hw: Hardware, args: argparse.Namespace, bandwidth: float | None, *, strict: bool
 ) -> dict[str, Any]:
     from localllm.hardware.planner import DoesNotFit, decode_tokens_per_s, plan
     from localllm.hardware.sizing import kv_bytes_per_token, weight_bytes
 
-    wanted = args.context if args.context is not None else min(entry.max_context, TABLE_CONTEXT)
+    entry = model.dims
+    wanted = args.context if args.context is not None else min(model.max_context, TABLE_CONTEXT)
     row: dict[str, Any] = {
-        "id": entry.id,
-        "hf_repo": entry.hf_repo,
-        "architecture": entry.architecture,
-        "supported": entry.supported,
-        "params": entry.params,
+        "id": model.id,
+        "hf_repo": model.hf_repo,
+        "architecture": model.architecture,
+        "supported": model.supported,
+        "params": model.params,
         "status": "error",  # "fits", "does_not_fit" or "error" (bad request for this model)
         "fits": False,
         "precision": None,
@@ -147,17 +223,24 @@ def _row(
         "nearest": None,
         "suggestions": [],
     }
+    # A GGUF on the CPU plans as the engine loads a file: its blocks first (fp32 beside them),
+    # the planner's ladder after them unless --quant gguf pins them.
+    gguf_on_cpu = model.gguf is not None and hw.gpu is None
+    quant = args.quant or ("gguf" if model.gguf is not None and not gguf_on_cpu else None)
     try:
-        p = plan(entry, hw, context=args.context, chats=args.chats,
-                 gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_dtype=args.kv_cache_dtype)
+        p = plan(entry, hw, context=args.context, chats=args.chats, quant=quant, name=model.id,
+                 gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_dtype=args.kv_cache_dtype,
+                 gguf=model.gguf, cpu_gguf=CPU_GGUF_WHY if gguf_on_cpu else None)
     except DoesNotFit as e:
         # Report the smallest precision's footprint: that is what did not fit.
         gpu = hw.gpu
         compute = "bfloat16" if gpu is None or gpu.has_bf16 else "float16"
+        smallest = ("float32" if gpu is None else compute, "gguf") if model.gguf is not None else (
+            compute, quant or "awq")
         row.update(
             status="does_not_fit",
             reason=str(e),
-            weight_bytes=weight_bytes(entry, compute, "awq"),
+            weight_bytes=weight_bytes(entry, *smallest, model.gguf),
             kv_bytes_per_token=e.kv_bytes_per_token or kv_bytes_per_token(entry, "float32" if gpu is None else compute),
             nearest=e.nearest.to_dict() if e.nearest is not None else None,
             suggestions=list(e.suggestions),
@@ -168,7 +251,7 @@ def _row(
             raise
         row["reason"] = str(e)
         return row
-    table_ctx = min(entry.max_context, TABLE_CONTEXT)
+    table_ctx = min(model.max_context, TABLE_CONTEXT)
     row.update(
         status="fits",
         fits=True,
@@ -178,7 +261,7 @@ def _row(
         kv_reason=p.reasons[3],
         weight_bytes=p.weight_bytes,
         kv_bytes_per_token=p.kv_bytes_per_token,
-        max_context=min(entry.max_context, p.kv_capacity_tokens),
+        max_context=min(model.max_context, p.kv_capacity_tokens),
         max_chats_at_8k=p.kv_capacity_tokens // table_ctx,
         decode_tok_s_bound=decode_tokens_per_s(p, bandwidth, wanted),
         plan=p.to_dict(),
@@ -211,7 +294,10 @@ def _render(doc: dict[str, Any], hw: Hardware, args: argparse.Namespace) -> None
         console.print(f"  note {note}")
     bw = doc["bandwidth"]
     if hw.gpu is not None:
-        target = f"{hw.gpu.name}, {args.gpu_memory_utilization:.0%} of {fmt_bytes(hw.gpu.total_bytes)}"
+        held = hw.gpu.others_bytes or 0
+        target = (f"{hw.gpu.name}, at most {args.gpu_memory_utilization:.0%} of {fmt_bytes(hw.gpu.total_bytes)}"
+                  + (f", {fmt_bytes(held)} held by other processes" if held else "")
+                  + "; a reserve for the engine's transients stays free (see a plan's reasons)")
     else:
         budget = fmt_bytes(hw.ram_available_bytes * CPU_RAM_FRACTION)
         target = f"CPU, RAM budget {budget} ({CPU_RAM_FRACTION:.0%} of available)"
@@ -257,3 +343,15 @@ def _render(doc: dict[str, Any], hw: Hardware, args: argparse.Namespace) -> None
     console.print("  Max context: tokens one chat can hold at that precision. Chats @8K: 8K-token chats at once.")
     console.print("  Decode ≤ tok/s: bandwidth / bytes read per token (all weights once + the KV of the planned"
                   " context), one stream; real speed is lower.")
+    if args.model is not None:  # one model: the whole plan, each budget item with its reason
+        for r in doc["models"]:
+            if r["plan"] is not None:
+                console.print()
+                console.print(f"[bold]Plan for {r['id']}[/bold]")
+                for reason in r["plan"]["reasons"]:
+                    console.print(f"  - {reason}")
+            elif r["nearest"] is not None:
+                console.print()
+                console.print(f"[bold]Nearest plan that fits[/bold] ({r['nearest']['model']})")
+                for reason in r["nearest"]["reasons"]:
+                    console.print(f"  - {reason}")

@@ -13,11 +13,18 @@ datacenter Blackwell take the full path: FP8 first, CUDA graphs, the largest bat
 The KV cache is 16-bit (fp32 on CPU) while any rung leaves room for the wanted tokens; when
 none does, GPUs with FP8 support walk the ladder again with an FP8 (e4m3) cache, which halves
 the bytes per token (``_kv_passes``). ``kv_cache_dtype="fp8"`` asks for it outright.
+
+On a GPU the budget is the free VRAM (what other processes hold is already out of it), less a
+reserve for what the engine allocates beside the plan for a while (the torch candidate timed
+when a GEMM is chosen, Triton's autotune buffer, cuBLAS workspaces: ``_reserve``) and a margin
+for the desktop to grow, capped at ``gpu_memory_utilization`` of the card. Invariant: free VRAM
+minus the plan's total is at least the reserve plus the margin, so a start never depends on
+memory the plan did not count.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from localllm.errors import LocalLLMError
@@ -25,12 +32,15 @@ from localllm.hardware.probe import GiB, GPUInfo, Hardware, MemoryMeter, MiB, pr
 from localllm.hardware.sizing import (
     DTYPE_BYTES,
     QUANTS,
+    GGUFWeights,
     ModelDims,
     count_params,
     decode_read_bytes,
+    gguf_catalog_weights,
     kv_bytes_per_token,
     param_counts,
     kv_cache_dtype_name,
+    largest_matrix,
     weight_bytes,
     workspace_bytes,
 )
@@ -42,8 +52,33 @@ __all__ = [
 
 DEFAULT_CONTEXT = 8192  # planned for when no context is given (the probe's "chats at 8K" too)
 CPU_RAM_FRACTION = 0.75  # of *available* RAM: the OS, the TUI and the browser need the rest
-CUDA_CONTEXT_BYTES = 512 * MiB  # driver + kernels; outside torch's allocator
-CUDA_GRAPH_BYTES = 256 * MiB  # the captured decode graphs' private pool
+# Driver + kernels; outside torch's allocator. Always planned: NVML's free figure is read before
+# this process makes its context; where only torch could read it (after making one), this
+# counts it twice, 512 MiB on the safe side.
+CUDA_CONTEXT_BYTES = 512 * MiB
+# The captured decode graphs' private pool holds the largest bucket's activations and logits
+# (graphs are captured largest first and share it); never planned below this floor, which also
+# covers the static input buffers and allocator rounding.
+CUDA_GRAPH_BYTES = 256 * MiB
+# --- the GPU reserve: allocations beside the plan that come and go, kept free, never planned ---
+# triton.testing.do_bench clears the L2 cache between runs by writing a 256 MiB buffer
+# (the NVIDIA driver's get_empty_cache_for_benchmark), allocated for every autotuned shape.
+TRITON_BENCH_BYTES = 256 * MiB
+# torch's default cuBLAS workspace (CUBLAS_WORKSPACE_CONFIG ":4096:8" = 32 MiB on sm90+,
+# ":4096:2:16:8" ~ 8 MiB before); cuBLASLt takes as much; each per stream: the default stream
+# and the one CUDA graphs are captured on.
+CUBLAS_WORKSPACE_BYTES = {True: 32 * MiB, False: 8 * MiB}  # by Hopper-or-newer
+CUBLAS_HANDLES = 4
+# The torch path a quantized GEMM is timed against at its first call (kernels/_triton.py
+# gemm_backend_choice) dequantizes the whole weight: bytes alive per weight while it runs.
+# AWQ (awq_dequantize): the unpacked int32 codes, their difference from the zeros and the fp32
+# product (12); FP8 (w.float()) and INT8 (w.to(dtype) * scale) 4. A GGUF torch reference is
+# taken to dequantize like AWQ.
+CANDIDATE_BYTES_PER_WEIGHT = {"awq": 12, "gguf": 12, "fp8": 4, "int8": 4}
+# Room for the desktop to grow after the plan is made (a browser tab, the compositor) and for
+# the caching allocator's rounding: a share of the card, at least a floor.
+GPU_MARGIN_FRACTION = 0.02
+GPU_MARGIN_MIN_BYTES = 256 * MiB
 # oneDNN scratch, thread pools, allocator slack, the tokenizer: measured on the real engine after its
 # largest step (tests/hardware/test_hw_memory.py; fp32 and bf16 grew 80-84 MB past the rest of the plan)
 CPU_RUNTIME_BYTES = 112 * MiB
@@ -102,6 +137,15 @@ class Plan:
     kv_capacity_tokens: int  # tokens the budget could hold at this precision (>= the pool)
     decode_read_bytes: int  # weight bytes one decode step reads
     reasons: list[str]
+    # GPU only (0 on CPU). What other processes held when planned (total - free), the engine's
+    # transients kept free beside the plan (item -> bytes), and the margin for the desktop:
+    # free VRAM - total_bytes >= reserve_bytes + margin_bytes.
+    others_bytes: int = 0
+    reserve: dict[str, int] = field(default_factory=dict)
+    margin_bytes: int = 0
+    # False: no room was kept to time a quantized GEMM's torch candidate; the engine should
+    # run the Triton kernel without measuring (LOCALLLM_GEMM_BACKEND=triton does the same).
+    time_gemm_candidates: bool = True
 
     @property
     def precision(self) -> str:
@@ -115,6 +159,10 @@ class Plan:
     @property
     def kv_tokens(self) -> int:
         return self.num_kv_blocks * self.block_size
+
+    @property
+    def reserve_bytes(self) -> int:
+        return sum(self.reserve.values())
 
     @property
     def overhead_bytes(self) -> int:
@@ -135,7 +183,9 @@ class Plan:
             f" KV cache {_LABELS.get(self.kv_dtype, self.kv_dtype)}",
             f"  memory: weights {fmt_bytes(self.weight_bytes)} + KV pool {fmt_bytes(self.kv_bytes)}"
             f" ({self.kv_tokens:,} tokens) + overhead {fmt_bytes(self.overhead_bytes)}"
-            f" = {fmt_bytes(self.total_bytes)} of a {fmt_bytes(self.budget_bytes)} budget",
+            f" = {fmt_bytes(self.total_bytes)} of a {fmt_bytes(self.budget_bytes)} budget"
+            + (f"; kept free: reserve {fmt_bytes(self.reserve_bytes)} + margin {fmt_bytes(self.margin_bytes)}"
+               if self.device == "cuda" else ""),
             f"  limits: {self.max_model_len:,} tokens per sequence, {self.max_num_seqs} sequences per step,"
             f" {self.max_num_batched_tokens:,} tokens per step, blocks of {self.block_size}"
             f"{', CUDA graphs' if self.use_cuda_graphs else ''}",
@@ -171,6 +221,11 @@ class Plan:
             "budget_bytes": self.budget_bytes,
             "kv_capacity_tokens": self.kv_capacity_tokens,
             "decode_read_bytes": self.decode_read_bytes,
+            "others_bytes": self.others_bytes,
+            "reserve_bytes": self.reserve_bytes,
+            "reserve": dict(self.reserve),
+            "margin_bytes": self.margin_bytes,
+            "time_gemm_candidates": self.time_gemm_candidates,
             "reasons": list(self.reasons),
         }
 
@@ -198,14 +253,18 @@ class _Rung:
 class _Target:
     device: str
     gpu: GPUInfo | None
-    budget: int
+    budget: int  # CPU: the budget; GPU: the cap, gpu_memory_utilization x VRAM
     where: str
     device_reason: str
-    budget_reason: str
     full_path: bool
     seqs_cap: int
     batched_tokens: int
     cpu_runtime: int = 0  # CPU only: what the runtime holds beside weights, KV and activations
+    cpu_budget_reason: str = ""  # CPU only: a GPU's depends on the fit (its reserve)
+    free: int = 0  # GPU only: free VRAM (other processes' use already out of it)
+    others: int = 0  # GPU only: what other processes hold
+    margin: int = 0  # GPU only: kept free for the desktop to grow
+    util: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,6 +279,9 @@ class _Fit:
     kv_dtype: str
     kvpt: int
     capacity: int  # KV tokens the budget leaves room for, whole blocks only
+    budget: int  # GPU: min(cap, free - reserve - margin); CPU: the target's
+    reserve: dict[str, int]  # GPU transients kept free beside the plan; empty on CPU
+    candidate: bool  # room is kept to time the GEMM choice's torch candidate
 
     @property
     def fixed(self) -> int:
@@ -263,24 +325,23 @@ def _target(hw: Hardware, util: float) -> _Target:
     gpu = hw.gpu
     if gpu is not None:
         full_path = gpu.compute_capability[0] in (9, 10)  # Hopper, datacenter Blackwell
-        by_util = int(gpu.total_bytes * util)
-        budget = min(by_util, gpu.free_bytes) if gpu.free_bytes > 0 else by_util
-        if budget < by_util:
-            budget_reason = (f"budget {fmt_bytes(budget)}: only that much of {fmt_bytes(gpu.total_bytes)} is free"
-                             f" (other processes hold the rest)")
-        else:
-            budget_reason = (f"budget {fmt_bytes(budget)} = {util:.0%} of {fmt_bytes(gpu.total_bytes)}"
-                             f" (gpu_memory_utilization {util:.2f})")
+        # A free figure of 0 means none was read (some drivers): the card is taken as idle.
+        free = gpu.free_bytes if 0 < gpu.free_bytes <= gpu.total_bytes else gpu.total_bytes
+        # NVML's per-process figure where the driver gives one (total - free also counts the
+        # driver's own reservation); the budget itself comes from free either way.
+        others = gpu.others_bytes if gpu.others_bytes is not None else gpu.total_bytes - free
+        held = f", {fmt_bytes(others)} held by other processes" if others > 0 else ""
         kind = "planned for, not present" if hw.hypothetical else f"driver {gpu.driver or '?'}"
         return _Target(
-            device="cuda", gpu=gpu, budget=budget,
-            where=f"{gpu.name} ({fmt_bytes(gpu.total_bytes)}, {util:.0%} usable)",
+            device="cuda", gpu=gpu, budget=int(gpu.total_bytes * util),
+            where=f"{gpu.name} ({fmt_bytes(gpu.total_bytes)}{held})",
             device_reason=(f"device cuda: {gpu.name}, {fmt_bytes(gpu.total_bytes)},"
                            f" compute capability {gpu.cc_str} ({kind})"),
-            budget_reason=budget_reason,
             full_path=full_path,
             seqs_cap=256 if full_path else 64,
             batched_tokens=8192 if full_path or gpu.total_bytes >= 40 * GiB else 2048,
+            free=free, others=others, util=util,
+            margin=max(GPU_MARGIN_MIN_BYTES, int(gpu.total_bytes * GPU_MARGIN_FRACTION)),
         )
     why = next((n for n in hw.notes if n.startswith("no NVIDIA GPU")), "no NVIDIA GPU")
     budget = int(hw.ram_available_bytes * CPU_RAM_FRACTION)
@@ -288,8 +349,8 @@ def _target(hw: Hardware, util: float) -> _Target:
         device="cpu", gpu=None, budget=budget,
         where=f"this CPU ({fmt_bytes(budget)} RAM budget)",
         device_reason=f"device cpu: {why.split(';')[0]}",
-        budget_reason=(f"RAM budget {fmt_bytes(budget)} = {CPU_RAM_FRACTION:.0%} of {fmt_bytes(hw.ram_available_bytes)}"
-                       f" available"),
+        cpu_budget_reason=(f"RAM budget {fmt_bytes(budget)} = {CPU_RAM_FRACTION:.0%} of"
+                           f" {fmt_bytes(hw.ram_available_bytes)} available"),
         full_path=False,
         # Concurrency is bounded by KV blocks actually held, not by slots; batching pays even
         # on 2 cores (8 streams gave ~2x one stream's throughput here).
@@ -389,24 +450,72 @@ def _kv_reason(t: _Target, fit: _Fit, need: int, sixteen: _Fit | None, asked: bo
             f" {label} weights; FP8 halves the bytes per token, and {sm} supports FP8")
 
 
+def _reserve(model: ModelDims, t: _Target, rung: _Rung, batched_tokens: int, candidate: bool) -> dict[str, int]:
+    """What the engine allocates on the GPU beside the plan, for a while, by item: kept free,
+    never given to the KV pool. Figures from the model's shapes where they depend on them.
+    ``candidate``: room to time the GEMM choice's torch candidate (a plan without it pins the
+    Triton kernel, ``Plan.time_gemm_candidates``)."""
+    assert t.gpu is not None
+    hopper = t.gpu.compute_capability[0] >= 9
+    items = {"cuBLAS/cuBLASLt workspaces": CUBLAS_HANDLES * CUBLAS_WORKSPACE_BYTES[hopper],
+             "Triton autotune (do_bench cache-flush buffer)": TRITON_BENCH_BYTES}
+    per_weight = CANDIDATE_BYTES_PER_WEIGHT.get(rung.quant or "")
+    if per_weight and candidate:
+        name, k, n = largest_matrix(model)
+        # the dequantized weight, and the candidate's fp32 output at the largest step
+        items[f"GEMM choice: torch candidate for {name} {k}x{n}"] = k * n * per_weight + batched_tokens * n * 4
+    return items
+
+
+def _graph_pool_bytes(model: ModelDims, t: _Target, act_dtype: str) -> int:
+    """The CUDA graph pool: the largest decode bucket's activations and logits, at least the floor."""
+    return max(CUDA_GRAPH_BYTES, workspace_bytes(model, act_dtype, t.seqs_cap, t.seqs_cap))
+
+
 def _fit(model: ModelDims, t: _Target, rung: _Rung, graphs: bool, batched_tokens: int, chats: int,
-         block_size: int, kv_fp8: bool = False) -> _Fit:
+         block_size: int, kv_fp8: bool = False, gguf: GGUFWeights | None = None, candidate: bool = True) -> _Fit:
     kv_dtype = "fp8" if kv_fp8 else "float32" if t.device == "cpu" else rung.weight_dtype
     act_dtype = "float32" if t.device == "cpu" else rung.weight_dtype
-    weights = weight_bytes(model, rung.weight_dtype, rung.quant)
+    weights = weight_bytes(model, rung.weight_dtype, rung.quant, gguf)
     workspace = workspace_bytes(model, act_dtype, batched_tokens, max(chats, t.seqs_cap))
+    reserve: dict[str, int] = {}
+    budget = t.budget
     if t.device == "cuda":
-        runtime = CUDA_GRAPH_BYTES if graphs else 0
+        runtime = _graph_pool_bytes(model, t, act_dtype) if graphs else 0
         context = CUDA_CONTEXT_BYTES
+        reserve = _reserve(model, t, rung, batched_tokens, candidate)
+        budget = max(0, min(t.budget, t.free - t.margin - sum(reserve.values())))
     else:
         runtime, context = t.cpu_runtime, 0
         if rung.quant == "awq":  # the CPU kernel's own int4 layout beside the AWQ tensors
             c = param_counts(model)
             runtime += int(c.block_linear / 2 + c.awq_groups * 4)
     kvpt = kv_bytes_per_token(model, kv_dtype)
-    free = t.budget - (weights + workspace + runtime + context)
+    free = budget - (weights + workspace + runtime + context)
     capacity = max(0, free) // kvpt // block_size * block_size
-    return _Fit(rung, graphs, batched_tokens, weights, workspace, runtime, context, kv_dtype, kvpt, capacity)
+    return _Fit(rung, graphs, batched_tokens, weights, workspace, runtime, context, kv_dtype, kvpt, capacity,
+                budget, reserve, candidate and rung.quant in CANDIDATE_BYTES_PER_WEIGHT)
+
+
+def _budget_reason(t: _Target, fit: _Fit) -> str:
+    if t.gpu is None:
+        return t.cpu_budget_reason
+    total, reserve = t.gpu.total_bytes, sum(fit.reserve.values())
+    held = f"; {fmt_bytes(t.others)} held by other processes" if t.others > 0 else ""
+    if fit.budget < t.budget:
+        return (f"budget {fmt_bytes(fit.budget)} = {fmt_bytes(t.free)} free (of {fmt_bytes(total)}{held})"
+                f" - {fmt_bytes(reserve)} reserve for the engine's transients - {fmt_bytes(t.margin)} margin")
+    return (f"budget {fmt_bytes(fit.budget)} = {t.util:.0%} of {fmt_bytes(total)} (gpu_memory_utilization"
+            f" {t.util:.2f}); the other {fmt_bytes(t.free - fit.budget)} free{held} covers the"
+            f" {fmt_bytes(reserve)} reserve and the {fmt_bytes(t.margin)} margin")
+
+
+def _reserve_reason(t: _Target, fit: _Fit) -> str:
+    items = ", ".join(f"{name} {fmt_bytes(n)}" for name, n in fit.reserve.items())
+    graphs = f", CUDA graph pool {fmt_bytes(fit.runtime)}" if fit.graphs else ""
+    return (f"reserve {fmt_bytes(sum(fit.reserve.values()))} kept free for the engine's transients ({items}),"
+            f" and {fmt_bytes(t.margin)} for other processes to grow; planned beside weights and KV: CUDA context"
+            f" {fmt_bytes(fit.context)}{graphs}, activations {fmt_bytes(fit.workspace)}")
 
 
 def plan(
@@ -424,13 +533,15 @@ def plan(
     cpu_gguf: str | None = None,
     cpu_compile: bool = True,
     name: str | None = None,
+    gguf: GGUFWeights | None = None,
 ) -> Plan:
     """The plan for ``model`` on ``hw``. Raises LocalLLMError for bad input, DoesNotFit when
     nothing fits (with the nearest plan that would). ``cpu_gguf``: the checkpoint is a GGUF
     file whose blocks the CPU kernels run as they are, and the measured reason they win; a
     CPU plan then starts from "gguf". ``name`` is what messages and the plan call the model
     (default: the model's id or name attribute). ``kv_cache_dtype`` is "auto" (16-bit, FP8
-    where only that fits) or "fp8" ("fp8_e4m3")."""
+    where only that fits) or "fp8" ("fp8_e4m3"). ``gguf``: the GGUF checkpoint's tensors, which
+    size a "gguf" plan (without them, the Q4_1 estimate)."""
     if dtype == "auto":
         dtype = None
     _validate(context, chats, quant, dtype, gpu_memory_utilization, block_size)
@@ -450,14 +561,19 @@ def plan(
     ladder = _ladder(t, hw, quant, dtype)
     if t.device == "cpu" and cpu_gguf and (quant in (None, "gguf")) and dtype is None:
         ladder = [_Rung("float32", "gguf", cpu_gguf)] + ([] if quant else ladder)
+    if gguf is not None:
+        sized = f" (sized from {gguf.source}: {gguf.label}, {fmt_bytes(gguf.tensor_bytes)})"
+        ladder = [replace(r, why=r.why + sized) if r.quant == "gguf" else r for r in ladder]
 
     # Before a precision is given up, the cheaper knobs go first: a smaller prefill chunk
-    # (its workspace), then the CUDA graph pool.
+    # (its workspace), then the room to time the GEMM choice's torch candidate (the Triton
+    # kernel is kept without timing: prefill may be slower, decode is not), then the CUDA graph pool.
     if t.device == "cuda":
         small = min(t.batched_tokens, 2048)
-        knobs = [(True, t.batched_tokens)] + ([(True, small)] if small < t.batched_tokens else []) + [(False, small)]
+        knobs = ([(True, t.batched_tokens, True)] + ([(True, small, True)] if small < t.batched_tokens else [])
+                 + [(True, small, False), (False, small, False)])
     else:
-        knobs = [(False, t.batched_tokens)]
+        knobs = [(False, t.batched_tokens, True)]
     tried: list[_Fit] = []
     chosen: _Fit | None = None
     sixteen: _Fit | None = None  # the smallest rung tried with a 16-bit cache, before FP8
@@ -465,8 +581,8 @@ def plan(
         if tried:
             sixteen, tried = tried[-1], []
         for rung in ladder:
-            for graphs, tokens in knobs:
-                fit = _fit(model, t, rung, graphs, tokens, chats, block_size, kv_fp8)
+            for graphs, tokens, candidate in knobs:
+                fit = _fit(model, t, rung, graphs, tokens, chats, block_size, kv_fp8, gguf, candidate)
                 if fit.capacity >= need:
                     chosen = fit
                     break
@@ -479,7 +595,7 @@ def plan(
 
     if chosen is None:
         raise _does_not_fit(model, hw, name, t, tried, wanted, chats, quant, dtype, gpu_memory_utilization,
-                            block_size, kv_cache_dtype, model_max, suggest_models)
+                            block_size, kv_cache_dtype, model_max, suggest_models, gguf)
 
     # Say why each bigger rung was passed over, so "fp8" never looks arbitrary.
     with_kv = " with an fp8 KV cache" if sixteen is not None else ""
@@ -490,7 +606,7 @@ def plan(
     )
     precision_reason = chosen.rung.why + (f" ({skipped})" if skipped else "")
     kv_dtype = chosen.kv_dtype
-    reasons = [t.device_reason, t.budget_reason, precision_reason,
+    reasons = [t.device_reason, _budget_reason(t, chosen), precision_reason,
                _kv_reason(t, chosen, need, sixteen, asked=kv_cache_dtype == "fp8")]
     per_chat = f"{chats} chat{'s' if chats > 1 else ''}"
 
@@ -511,9 +627,17 @@ def plan(
         seqs = max(chats, min(t.seqs_cap, num_blocks))
         seq_reason = (f"max_num_seqs {seqs}: " + ("Hopper-class full path, largest batch" if t.full_path
                       else "room for several chats and API clients per step"))
-        graphs_reason = (f"CUDA graphs on: decode steps are replayed, not relaunched (~{fmt_bytes(CUDA_GRAPH_BYTES)})"
+        pool = _graph_pool_bytes(model, t, chosen.rung.weight_dtype)
+        graphs_reason = (f"CUDA graphs on: decode steps are replayed, not relaunched (pool ~{fmt_bytes(pool)}:"
+                         f" {t.seqs_cap} sequences' activations and logits, at least {fmt_bytes(CUDA_GRAPH_BYTES)})"
                          if chosen.graphs else
-                         f"CUDA graphs off: their {fmt_bytes(CUDA_GRAPH_BYTES)} pool is needed for the KV cache")
+                         f"CUDA graphs off: their {fmt_bytes(pool)} pool is needed for the KV cache")
+        if not chosen.candidate and chosen.rung.quant in CANDIDATE_BYTES_PER_WEIGHT:
+            name_, k, n = largest_matrix(model)
+            skipped_bytes = k * n * CANDIDATE_BYTES_PER_WEIGHT[chosen.rung.quant] + chosen.batched_tokens * n * 4
+            graphs_reason += (f"; no room kept for the GEMM choice's torch candidate ({name_} dequantized,"
+                              f" {fmt_bytes(skipped_bytes)}): the Triton kernels run untimed (where the"
+                              " candidate runs out of memory, the kernel is kept)")
         if chosen.batched_tokens < t.batched_tokens:
             seq_reason += (f"; {chosen.batched_tokens:,} tokens per step, not {t.batched_tokens:,}:"
                            " the larger prefill workspace is needed for the KV cache")
@@ -532,6 +656,8 @@ def plan(
                       " the KV pool, not this cap, bounds concurrency")
         graphs_reason = "CUDA graphs off: running on the CPU"
     reasons += [pool_reason, ctx_reason, seq_reason, graphs_reason]
+    if t.device == "cuda":
+        reasons.append(_reserve_reason(t, chosen))
 
     return Plan(
         model=name,
@@ -551,17 +677,27 @@ def plan(
         workspace_bytes=chosen.workspace,
         runtime_bytes=chosen.runtime,
         context_bytes=chosen.context,
-        budget_bytes=t.budget,
+        budget_bytes=chosen.budget,
         kv_capacity_tokens=chosen.capacity,
-        decode_read_bytes=decode_read_bytes(model, chosen.rung.weight_dtype, chosen.rung.quant),
+        decode_read_bytes=decode_read_bytes(model, chosen.rung.weight_dtype, chosen.rung.quant, gguf),
         reasons=reasons,
+        others_bytes=t.others,
+        reserve=dict(chosen.reserve),
+        margin_bytes=t.margin,
+        time_gemm_candidates=chosen.candidate or chosen.rung.quant not in CANDIDATE_BYTES_PER_WEIGHT,
     )
+
+
+def _fits_as(p: Plan) -> str:
+    """A nearest plan's numbers, for a suggestion: precision and footprint against its budget."""
+    kv = " + fp8 KV" if p.kv_dtype == "fp8" else ""
+    return f"{p.precision}{kv}, {fmt_bytes(p.total_bytes)} of a {fmt_bytes(p.budget_bytes)} budget"
 
 
 def _does_not_fit(
     model: ModelDims, hw: Hardware, name: str, t: _Target, tried: list[_Fit], wanted: int, chats: int,
     quant: str | None, dtype: str | None, util: float, block_size: int, kv_cache_dtype: str, model_max: int | None,
-    suggest_models: bool,
+    suggest_models: bool, gguf: GGUFWeights | None = None,
 ) -> DoesNotFit:
     last = tried[-1]  # the smallest precision tried (with an FP8 cache, if one was tried)
     label = precision_label(last.rung.weight_dtype, last.rung.quant)
@@ -569,7 +705,7 @@ def _does_not_fit(
         label += " with an fp8 KV cache"
     needed = last.fixed + wanted * chats * last.kvpt
     kwargs: dict[str, Any] = dict(quant=quant, dtype=dtype, gpu_memory_utilization=util, block_size=block_size,
-                                  kv_cache_dtype=kv_cache_dtype, suggest_models=False)
+                                  kv_cache_dtype=kv_cache_dtype, suggest_models=False, gguf=gguf)
     suggestions: list[str] = []
     nearest: Plan | None = None
     per_chat = last.capacity // chats // 256 * 256
@@ -578,14 +714,22 @@ def _does_not_fit(
     if per_chat >= MIN_SUGGESTED_CONTEXT:
         try:
             nearest = plan(model, hw, context=per_chat, chats=chats, **kwargs)
-            suggestions.append(f"context {per_chat:,} ({nearest.precision})")
+            suggestions.append(f"context {per_chat:,} ({_fits_as(nearest)})")
         except LocalLLMError:
             pass
     if chats > 1 and last.capacity >= wanted:
         fewer = last.capacity // wanted
         try:
             alt = plan(model, hw, context=wanted, chats=fewer, **kwargs)
-            suggestions.append(f"{fewer} chat{'s' if fewer > 1 else ''} at {wanted:,} tokens ({alt.precision})")
+            suggestions.append(f"{fewer} chat{'s' if fewer > 1 else ''} at {wanted:,} tokens ({_fits_as(alt)})")
+            nearest = nearest or alt
+        except LocalLLMError:
+            pass
+    if (quant is not None or dtype is not None) and not suggestions:
+        # A precision was pinned: the planner's own ladder (down to 4-bit) may fit as asked.
+        try:
+            alt = plan(model, hw, context=wanted, chats=chats, **{**kwargs, "quant": None, "dtype": None})
+            suggestions.append(f"{alt.precision} weights at {wanted:,} tokens ({_fits_as(alt)})")
             nearest = nearest or alt
         except LocalLLMError:
             pass
@@ -593,12 +737,17 @@ def _does_not_fit(
         smaller = _smaller_catalog_model(model, hw, wanted, chats, kwargs)
         if smaller is not None:
             entry_id, alt = smaller
-            suggestions.append(f"{entry_id} at {wanted:,} tokens ({alt.precision})")
+            suggestions.append(f"{entry_id} at {wanted:,} tokens ({_fits_as(alt)})")
             nearest = nearest or alt
     as_what = f"as {label}" if quant else f"even as {label}"
     tail = ("nearest that fits: " + "; ".join(suggestions)) if suggestions else "nothing smaller fits either"
+    if t.gpu is not None:
+        room = (f"budget {fmt_bytes(last.budget)} after a {fmt_bytes(sum(last.reserve.values()))} reserve for the"
+                f" engine's transients")
+    else:
+        room = f"budget {fmt_bytes(last.budget)}"
     message = (f"{name} does not fit on {t.where} at {wanted:,} tokens x {chats} chat{'s' if chats > 1 else ''}"
-               f" {as_what} (needs {fmt_bytes(needed)}, budget {fmt_bytes(t.budget)}); {tail}")
+               f" {as_what} (needs {fmt_bytes(needed)}, {room}); {tail}")
     return DoesNotFit(message, nearest=nearest, suggestions=suggestions, needed_bytes=needed,
                       kv_bytes_per_token=last.kvpt)
 
@@ -606,7 +755,8 @@ def _does_not_fit(
 def _smaller_catalog_model(
     model: ModelDims, hw: Hardware, wanted: int, chats: int, kwargs: dict[str, Any]
 ) -> tuple[str, Plan] | None:
-    """The largest supported catalog model, smaller than ``model``, that fits as asked."""
+    """The largest supported catalog model, smaller than ``model``, that fits as asked (a GGUF
+    plan sized as that model's Q4_K_M)."""
     try:
         from localllm.catalog import load_catalog
 
@@ -617,8 +767,9 @@ def _smaller_catalog_model(
     for entry in sorted(entries, key=lambda e: e.params, reverse=True):
         if not entry.supported or entry.params >= size or entry.max_context < wanted:
             continue
+        gguf = gguf_catalog_weights(entry) if kwargs.get("quant") == "gguf" else None
         try:
-            return entry.id, plan(entry, hw, context=wanted, chats=chats, **kwargs)
+            return entry.id, plan(entry, hw, context=wanted, chats=chats, **{**kwargs, "gguf": gguf})
         except LocalLLMError:
             continue
     return None

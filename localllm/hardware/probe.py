@@ -1,4 +1,4 @@
-"""What this machine has: CPU and its ISA, RAM, and GPUs (NVML first, torch as a cross-check).
+"""What this machine has: CPU and its ISA, RAM, and the GPUs torch can use (NVML adds figures).
 
 ``probe_hardware()`` never raises: a machine without a driver, without pynvml or even
 without torch still gets a clean CPU profile whose ``notes`` say why no GPU was used.
@@ -14,10 +14,11 @@ import os
 import platform
 import re
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 from localllm.errors import LocalLLMError
 
@@ -179,7 +180,11 @@ class GPUInfo:
     driver: str | None = None
     bandwidth_gbs: float | None = None
     bandwidth_source: str = "none"  # "table", "nvml" (clock x bus width) or "none"
-    source: str = "nvml"  # "nvml", "torch" or "table" (a card planned for, not present)
+    # "torch+nvml" (torch's device, NVML's figures), "torch" (no NVML record) or "table"
+    # (a card planned for, not present); ``index`` is always torch's: the engine's cuda:<index>
+    source: str = "torch+nvml"
+    uuid: str | None = None
+    others_bytes: int | None = None  # VRAM other processes hold (NVML), where the driver says
 
     @property
     def cc_str(self) -> str:
@@ -205,7 +210,7 @@ class Hardware:
 
     @property
     def gpu(self) -> GPUInfo | None:
-        """The GPU the engine would use: the first NVIDIA (CUDA) device."""
+        """The GPU the engine would use: torch's first CUDA device (cuda:0)."""
         for g in self.gpus:
             if g.backend == "cuda":
                 return g
@@ -240,6 +245,8 @@ class Hardware:
                     "bandwidth_gbs": g.bandwidth_gbs,
                     "bandwidth_source": g.bandwidth_source,
                     "source": g.source,
+                    "uuid": g.uuid,
+                    "others_bytes": g.others_bytes,
                 }
                 for g in self.gpus
             ],
@@ -335,134 +342,336 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _probe_nvml() -> tuple[list[GPUInfo], str | None]:
-    """NVIDIA GPUs through NVML, or ([], why not)."""
-    try:
-        import pynvml
-    except ImportError as e:
-        return [], f"nvidia-ml-py is not installed ({e})"
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError as e:
-        return [], f"NVML: {e}"
-    gpus: list[GPUInfo] = []
-    try:
+# ---------------------------------------------------------------- GPUs
+#
+# torch decides which CUDA devices exist: a CPU-only wheel, CUDA_VISIBLE_DEVICES or a driver
+# older than the wheel's CUDA all leave NVML seeing a card that the engine cannot use. NVML
+# adds what torch does not say (the driver, other processes' memory, bandwidth from clocks),
+# matched to torch's devices by UUID or PCI address: the two number devices differently
+# (NVML by PCI order, CUDA fastest first unless CUDA_DEVICE_ORDER=PCI_BUS_ID, and after
+# CUDA_VISIBLE_DEVICES), so an index never identifies a card across them.
+
+PciAddress = tuple[int, int, int]  # (domain, bus, device)
+
+
+def _uuid(value: object) -> str | None:
+    """A GPU UUID as both sides can compare it: NVML writes ``GPU-<hex>``, torch ``<hex>``."""
+    text = _text(value).strip().lower() if value is not None else ""
+    for prefix in ("gpu-", "mig-"):
+        text = text.removeprefix(prefix)
+    return text or None
+
+
+@dataclass(frozen=True, slots=True)
+class TorchDevice:
+    """One device as torch numbers it: ``cuda:<index>`` (ROCm devices too, under HIP)."""
+
+    index: int
+    name: str
+    total_bytes: int
+    compute_capability: tuple[int, int]
+    uuid: str | None = None
+    pci: PciAddress | None = None
+    free_bytes: int | None = None  # read only where NVML cannot say (it needs a CUDA context)
+
+
+@dataclass(frozen=True, slots=True)
+class TorchView:
+    """What torch can run on. ``why_not``: one line, set whenever ``devices`` is empty."""
+
+    version: str
+    cuda_version: str | None = None  # the CUDA the wheel was built for, None for a CPU-only one
+    hip: bool = False
+    devices: tuple[TorchDevice, ...] = ()
+    why_not: str | None = None
+    mps: bool = False
+    visible: str | None = None  # CUDA_VISIBLE_DEVICES as torch saw it
+
+
+@dataclass(frozen=True, slots=True)
+class NvmlDevice:
+    index: int  # NVML's numbering, for messages only
+    name: str
+    total_bytes: int
+    free_bytes: int
+    compute_capability: tuple[int, int]
+    uuid: str | None = None
+    pci: PciAddress | None = None
+    others_bytes: int | None = None  # held by other processes, where the driver says
+    clock_bandwidth_gbs: float | None = None  # memory clock x 2 x bus width
+
+
+@dataclass(frozen=True, slots=True)
+class NvmlView:
+    devices: tuple[NvmlDevice, ...] = ()
+    driver: str | None = None
+    cuda_driver: tuple[int, int] | None = None  # the newest CUDA the driver runs
+    why_not: str | None = None
+
+
+class TorchCuda(Protocol):
+    """The part of ``torch.cuda`` the probe reads; tests hand in their own devices."""
+
+    def is_available(self) -> bool: ...
+    def device_count(self) -> int: ...
+    def get_device_properties(self, device: int) -> Any: ...  # torch's _CudaDeviceProperties
+    def mem_get_info(self, device: int) -> tuple[int, int]: ...
+    def init(self) -> None: ...
+
+
+def read_torch(cuda: TorchCuda | None = None, version: str | None = None, cuda_version: str | None = None,
+               hip: bool | None = None, environ: Mapping[str, str] | None = None) -> TorchView:
+    """The devices torch can use, or why none. Never raises. With no arguments it reads the
+    installed torch; tests pass a ``TorchCuda`` and the build's versions."""
+    environ = os.environ if environ is None else environ
+    mps = False
+    if cuda is None:
         try:
-            driver: str | None = _text(pynvml.nvmlSystemGetDriverVersion())
-        except pynvml.NVMLError:
-            driver = None
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            name = _text(pynvml.nvmlDeviceGetName(h))
-            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
-            try:
-                cc = tuple(int(x) for x in pynvml.nvmlDeviceGetCudaComputeCapability(h))
-            except pynvml.NVMLError:
-                cc = (0, 0)
-            bw, bw_src = _bandwidth_for(name, int(mem.total), h)
-            gpus.append(
-                GPUInfo(
-                    index=i, name=name, total_bytes=int(mem.total), free_bytes=int(mem.free),
-                    compute_capability=(cc[0], cc[1]), backend="cuda", driver=driver,
-                    bandwidth_gbs=bw, bandwidth_source=bw_src, source="nvml",
-                )
-            )
-    except pynvml.NVMLError as e:
-        return gpus, f"NVML: {e}"
-    finally:
-        with contextlib.suppress(pynvml.NVMLError):
-            pynvml.nvmlShutdown()
-    if not gpus:
-        return [], "NVML found no NVIDIA GPU"
-    return gpus, None
-
-
-def _bandwidth_for(name: str, total: int, handle: Any = None) -> tuple[float | None, str]:
-    known = find_known_gpu(name, total)
-    if known is not None:
-        return known.bandwidth_gbs, "table"
-    if handle is not None:
-        # Unknown card: peak = memory clock x 2 (double data rate) x bus width.
-        try:
-            import pynvml
-
-            clock_mhz = pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_MEM)
-            bus_bits = pynvml.nvmlDeviceGetMemoryBusWidth(handle)
-            if clock_mhz and bus_bits:
-                return clock_mhz * 1e6 * 2 * bus_bits / 8 / 1e9, "nvml"
-        except Exception:  # noqa: BLE001 - older drivers lack these calls
-            pass
-    return None, "none"
-
-
-def _probe_torch(nvml_gpus: list[GPUInfo]) -> tuple[list[GPUInfo], list[str]]:
-    """Cross-check NVML with torch, and report ROCm and MPS devices that NVML cannot see."""
-    notes: list[str] = []
+            import torch
+        except Exception as e:  # noqa: BLE001
+            return TorchView("", why_not=f"torch is not importable ({type(e).__name__}: {e})")
+        cuda, version = torch.cuda, torch.__version__
+        cuda_version, hip = torch.version.cuda, bool(getattr(torch.version, "hip", None))
+        with contextlib.suppress(Exception):
+            mps = bool(torch.backends.mps.is_available())
+    version, hip = version or "?", bool(hip)
+    view = TorchView(version, cuda_version, hip, mps=mps, visible=environ.get("CUDA_VISIBLE_DEVICES"))
+    if cuda_version is None and not hip:
+        return replace(view, why_not=f"torch {version} is a CPU-only build (no CUDA)")
     try:
-        import torch
-    except Exception as e:  # noqa: BLE001
-        return [], [f"torch is not importable ({type(e).__name__}); GPU cross-check skipped"]
-    extra: list[GPUInfo] = []
-    try:
-        hip = getattr(torch.version, "hip", None)
-        if torch.cuda.is_available():
-            count = torch.cuda.device_count()
-            if hip:
-                for i in range(count):
-                    props = torch.cuda.get_device_properties(i)
-                    free, total = torch.cuda.mem_get_info(i)
-                    extra.append(GPUInfo(
-                        index=i, name=props.name, total_bytes=int(total), free_bytes=int(free),
-                        compute_capability=(props.major, props.minor), backend="rocm", source="torch",
-                    ))
-                notes.append("ROCm GPU reported by torch; the engine runs on NVIDIA CUDA only for now")
-            elif not nvml_gpus:
-                # CUDA works but NVML does not (containers without libnvidia-ml): trust torch.
-                for i in range(count):
-                    props = torch.cuda.get_device_properties(i)
-                    free, total = torch.cuda.mem_get_info(i)
-                    bw, src = _bandwidth_for(props.name, int(total))
-                    extra.append(GPUInfo(
-                        index=i, name=props.name, total_bytes=int(total), free_bytes=int(free),
-                        compute_capability=(props.major, props.minor), backend="cuda",
-                        bandwidth_gbs=bw, bandwidth_source=src, source="torch",
-                    ))
-                notes.append("NVML is unavailable but torch sees CUDA; using torch's device figures")
-            elif count != len(nvml_gpus):
-                notes.append(f"NVML sees {len(nvml_gpus)} GPU(s) but torch sees {count} (CUDA_VISIBLE_DEVICES?)")
-        elif nvml_gpus:
-            notes.append(f"NVML sees a GPU but torch {torch.__version__} has no CUDA (a CPU-only torch build?)")
-        mps = getattr(torch.backends, "mps", None)
-        if mps is not None and mps.is_available():
-            total, _ = _probe_ram()
-            extra.append(GPUInfo(
-                index=0, name="Apple GPU (MPS)", total_bytes=total, free_bytes=total,
-                compute_capability=(0, 0), backend="mps", source="torch",
+        with warnings.catch_warnings():  # torch warns what _why_no_cuda says in one line
+            warnings.simplefilter("ignore")
+            available = cuda.is_available()
+            count = cuda.device_count() if available else 0
+            if count == 0:
+                return replace(view, why_not=_why_no_cuda(cuda, version, cuda_version, environ))
+        devices = []
+        for i in range(count):
+            props = cuda.get_device_properties(i)
+            pci = None
+            if getattr(props, "pci_bus_id", None) is not None:
+                pci = (int(getattr(props, "pci_domain_id", 0)), int(props.pci_bus_id), int(props.pci_device_id))
+            devices.append(TorchDevice(
+                index=i, name=str(props.name), total_bytes=int(props.total_memory),
+                compute_capability=(int(props.major), int(props.minor)),
+                uuid=_uuid(getattr(props, "uuid", None)), pci=pci,
             ))
-            notes.append("Apple MPS reported by torch; the engine does not run on MPS yet")
+    except Exception as e:  # noqa: BLE001 - a broken driver must not break the app
+        return replace(view, why_not=f"torch {version} could not use CUDA: {_first_line(e)}")
+    return replace(view, devices=tuple(devices))
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def _why_no_cuda(cuda: TorchCuda, version: str, cuda_version: str | None, environ: Mapping[str, str]) -> str:
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and (not visible.strip() or visible.strip().startswith("-1")):
+        return f"CUDA_VISIBLE_DEVICES={visible!r} hides every GPU from torch"
+    try:
+        cuda.init()  # is_available() says only False; initialising says why
     except Exception as e:  # noqa: BLE001
-        notes.append(f"torch GPU cross-check failed: {type(e).__name__}: {e}")
-    return extra, notes
+        return f"torch {version} (CUDA {cuda_version}) cannot use CUDA: {_first_line(e)}"
+    return f"torch {version} (CUDA {cuda_version}) finds no CUDA device"
 
 
-def probe_hardware() -> Hardware:
-    """This machine. Never raises; with no usable GPU the notes say why (NVML's own words)."""
+def read_nvml(nvml: Any = None) -> NvmlView:
+    """NVIDIA devices through NVML (``pynvml``, or a stand-in with its API). Never raises."""
+    if nvml is None:
+        try:
+            import pynvml as nvml
+        except ImportError as e:
+            return NvmlView(why_not=f"nvidia-ml-py is not installed ({e})")
+    try:
+        nvml.nvmlInit()
+    except Exception as e:  # noqa: BLE001 - pynvml.NVMLError and its subclasses
+        return NvmlView(why_not=f"NVML: {e}")
+    devices: list[NvmlDevice] = []
+    driver: str | None = None
+    cuda_driver: tuple[int, int] | None = None
+    try:
+        with contextlib.suppress(Exception):
+            driver = _text(nvml.nvmlSystemGetDriverVersion())
+        with contextlib.suppress(Exception):
+            v = int(nvml.nvmlSystemGetCudaDriverVersion())  # e.g. 12020 for 12.2
+            cuda_driver = (v // 1000, v % 1000 // 10)
+        for i in range(nvml.nvmlDeviceGetCount()):
+            h = nvml.nvmlDeviceGetHandleByIndex(i)
+            mem = nvml.nvmlDeviceGetMemoryInfo(h)
+            devices.append(NvmlDevice(
+                index=i, name=_text(nvml.nvmlDeviceGetName(h)), total_bytes=int(mem.total),
+                free_bytes=int(mem.free), compute_capability=_nvml_cc(nvml, h),
+                uuid=_optional(lambda: _uuid(nvml.nvmlDeviceGetUUID(h))),
+                pci=_optional(lambda: _nvml_pci(nvml, h)),
+                others_bytes=_optional(lambda: _others_bytes(nvml, h)),
+                clock_bandwidth_gbs=_optional(lambda: _clock_bandwidth(nvml, h)),
+            ))
+    except Exception as e:  # noqa: BLE001
+        return NvmlView(tuple(devices), driver, cuda_driver, f"NVML: {e}")
+    finally:
+        with contextlib.suppress(Exception):
+            nvml.nvmlShutdown()
+    return NvmlView(tuple(devices), driver, cuda_driver, None if devices else "NVML found no NVIDIA GPU")
+
+
+def _optional(read: Callable[[], Any]) -> Any:
+    """An NVML figure that older drivers, MIG or containers may not give: None then."""
+    try:
+        return read()
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _nvml_cc(nvml: Any, h: Any) -> tuple[int, int]:
+    cc = _optional(lambda: tuple(int(x) for x in nvml.nvmlDeviceGetCudaComputeCapability(h)))
+    return (cc[0], cc[1]) if cc else (0, 0)
+
+
+def _nvml_pci(nvml: Any, h: Any) -> PciAddress:
+    info = nvml.nvmlDeviceGetPciInfo(h)
+    return int(info.domain), int(info.bus), int(info.device)
+
+
+def _others_bytes(nvml: Any, h: Any) -> int | None:
+    """Memory the other processes on this GPU hold (compute and graphics: a desktop's
+    compositor and browser are graphics clients). None when the driver does not say (in a
+    container it often reports no per-process figures)."""
+    me = os.getpid()
+    total, known = 0, False
+    for read in (nvml.nvmlDeviceGetComputeRunningProcesses, nvml.nvmlDeviceGetGraphicsRunningProcesses):
+        for proc in read(h):
+            used = getattr(proc, "usedGpuMemory", None)
+            if proc.pid != me and isinstance(used, int) and 0 <= used < 1 << 50:
+                total += used
+                known = True
+    return total if known else None
+
+
+def _clock_bandwidth(nvml: Any, h: Any) -> float | None:
+    clock_mhz = nvml.nvmlDeviceGetMaxClockInfo(h, nvml.NVML_CLOCK_MEM)
+    bus_bits = nvml.nvmlDeviceGetMemoryBusWidth(h)
+    return clock_mhz * 1e6 * 2 * bus_bits / 8 / 1e9 if clock_mhz and bus_bits else None
+
+
+def _match(device: TorchDevice, nvml: NvmlView) -> NvmlDevice | None:
+    """The NVML record of a torch device: same UUID, else same PCI address; never by index."""
+    for key in ("uuid", "pci"):
+        value = getattr(device, key)
+        if value is not None:
+            found = [n for n in nvml.devices if getattr(n, key) == value]
+            if len(found) == 1:
+                return found[0]
+    return None
+
+
+def _version_tuple(text: str | None) -> tuple[int, int] | None:
+    m = re.match(r"(\d+)\.(\d+)", text or "")
+    return (int(m[1]), int(m[2])) if m else None
+
+
+def gpus_from(torch_view: TorchView, nvml: NvmlView,
+              free_bytes: Callable[[int], int] | None = None) -> tuple[list[GPUInfo], list[str], str | None]:
+    """GPUs as torch numbers them, with NVML's figures where a device matches; the notes;
+    and, when CUDA is not usable, the one-line reason. ``free_bytes(index)`` asks torch for
+    a device NVML does not describe (it costs a CUDA context)."""
+    notes: list[str] = []
+    gpus: list[GPUInfo] = []
+    backend = "rocm" if torch_view.hip else "cuda"
+    matched: set[int] = set()
+    for d in torch_view.devices:
+        n = _match(d, nvml) if backend == "cuda" else None
+        known_bw, known_src = _bandwidth_for(d.name, d.total_bytes)
+        if n is not None:
+            matched.add(n.index)
+            free = n.free_bytes
+            if known_bw is None and n.clock_bandwidth_gbs:
+                known_bw, known_src = n.clock_bandwidth_gbs, "nvml"
+        else:
+            free = d.free_bytes
+            if free is None and free_bytes is not None:
+                with contextlib.suppress(Exception):
+                    free = int(free_bytes(d.index))
+            if free is None:
+                free = d.total_bytes
+            if backend == "cuda" and nvml.devices:
+                notes.append(f"cuda:{d.index} ({d.name}) matches no NVML device by UUID or PCI address;"
+                             " using torch's figures alone")
+        gpus.append(GPUInfo(
+            index=d.index, name=d.name, total_bytes=d.total_bytes, free_bytes=free,
+            compute_capability=d.compute_capability, backend=backend,
+            driver=nvml.driver if n is not None else None,
+            bandwidth_gbs=known_bw if backend == "cuda" else None,
+            bandwidth_source=known_src if backend == "cuda" else "none",
+            source="torch+nvml" if n is not None else "torch",
+            uuid=d.uuid, others_bytes=n.others_bytes if n is not None else None,
+        ))
+    if torch_view.hip and gpus:
+        notes.append("ROCm GPU reported by torch; the engine runs on NVIDIA CUDA only for now")
+    hidden = [n for n in nvml.devices if n.index not in matched]
+    if hidden and gpus and backend == "cuda":
+        visible = torch_view.visible
+        names = ", ".join(f"{n.name} (NVML {n.index})" for n in hidden)
+        notes.append(f"NVML also sees {names}, which CUDA does not expose"
+                     + (f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""))
+    if gpus and backend == "cuda" and not nvml.devices:
+        notes.append(f"NVML is unavailable ({nvml.why_not}); using torch's device figures")
+    if torch_view.mps:
+        notes.append("Apple MPS reported by torch; the engine does not run on MPS yet")
+    if any(g.backend == "cuda" for g in gpus):
+        return gpus, notes, None
+    return gpus, notes, _why_cpu(torch_view, nvml)
+
+
+def _why_cpu(torch_view: TorchView, nvml: NvmlView) -> str:
+    """One line: why there is no usable NVIDIA GPU, naming both sides where both have a say."""
+    if not nvml.devices:
+        nvml_says = nvml.why_not or "NVML found no NVIDIA GPU"
+        if torch_view.hip:
+            return f"{nvml_says} (torch is a ROCm build)"
+        # torch's reason too: a CPU-only wheel stays a reason after a driver is installed
+        return f"{nvml_says}, and {torch_view.why_not}" if torch_view.why_not else nvml_says
+    # No ';' inside: the planner's device line keeps what comes before the first one.
+    seen = f"NVML sees {', '.join(sorted({n.name for n in nvml.devices}))}"
+    need, have = _version_tuple(torch_view.cuda_version), nvml.cuda_driver
+    if need is not None and have is not None and have < need:
+        return (f"driver {nvml.driver or '?'} runs CUDA up to {have[0]}.{have[1]}, but torch {torch_view.version}"
+                f" needs CUDA {torch_view.cuda_version} ({seen}): update the driver, or install a torch built for"
+                f" CUDA {have[0]}.{have[1]} or older")
+    why = torch_view.why_not or "torch sees no CUDA device"
+    if torch_view.cuda_version is None and not torch_view.hip:
+        return f"{why}, though {seen}: install a CUDA build of torch to use it"
+    return f"{why}, though {seen}"
+
+
+def _bandwidth_for(name: str, total: int) -> tuple[float | None, str]:
+    known = find_known_gpu(name, total)
+    return (known.bandwidth_gbs, "table") if known is not None else (None, "none")
+
+
+def probe_hardware(torch_view: TorchView | None = None, nvml: NvmlView | None = None) -> Hardware:
+    """This machine. Never raises; with no usable GPU the notes' first line says why, as
+    ``no NVIDIA GPU: <reason>; planning for the CPU``. Tests pass the two views."""
     cpu = _probe_cpu()
     total, available = _probe_ram()
-    notes: list[str] = []
-    try:
-        nvml_gpus, why = _probe_nvml()
-    except Exception as e:  # noqa: BLE001 - a broken driver must not break the app
-        nvml_gpus, why = [], f"NVML failed: {type(e).__name__}: {e}"
-    torch_gpus, torch_notes = _probe_torch(nvml_gpus)
-    gpus = nvml_gpus + torch_gpus
-    if not any(g.backend == "cuda" for g in gpus):
-        notes.append(f"no NVIDIA GPU: {why or 'none found'}; planning for the CPU")
-    notes.extend(torch_notes)
-    return Hardware(
-        cpu=cpu, ram_total_bytes=total, ram_available_bytes=available,
-        gpus=tuple(gpus), notes=tuple(notes),
-    )
+    free_bytes: Callable[[int], int] | None = None
+    if torch_view is None:
+        torch_view = read_torch()
+
+        def free_bytes(index: int) -> int:
+            import torch
+
+            return int(torch.cuda.mem_get_info(index)[0])
+    if nvml is None:
+        nvml = read_nvml()
+    gpus, gpu_notes, why = gpus_from(torch_view, nvml, free_bytes)
+    if torch_view.mps:
+        gpus.append(GPUInfo(index=0, name="Apple GPU (MPS)", total_bytes=total, free_bytes=total,
+                            compute_capability=(0, 0), backend="mps", source="torch"))
+    notes = [f"no NVIDIA GPU: {why}; planning for the CPU"] if why is not None else []
+    return Hardware(cpu=cpu, ram_total_bytes=total, ram_available_bytes=available,
+                    gpus=tuple(gpus), notes=tuple(notes + gpu_notes))
 
 
 def hardware_for_gpu(name: str | None = None, vram_gib: float | None = None, base: Hardware | None = None) -> Hardware:

@@ -9,6 +9,7 @@ and the catalog cannot drift apart silently (a test holds them within 2%).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -17,9 +18,10 @@ from localllm.quant.groups import GROUP_SIZES, pick_group_size
 
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 QUANTS: tuple[str, ...] = ("fp8", "int8", "awq", "gguf")
-# "gguf" (CPU): a GGUF file's blocks as they are. Sized as Q4_1 block linears (20 bytes per
-# 32 weights, the default model's) and a Q8_0 head (34 per 32) beside the float embedding
-# the lookup reads; a file of other types is sized by that estimate.
+# "gguf": a GGUF file's blocks as they are. Sized from the file's tensors when the planner is
+# given them (GGUFWeights: each tensor's stored bytes), else as Q4_1 block linears (20 bytes
+# per 32 weights, the default model's) and a Q8_0 head (34 per 32); either way beside the
+# float embedding the lookup reads.
 GGUF_LINEAR_BYTES_PER_WEIGHT = 20 / 32
 GGUF_HEAD_BYTES_PER_WEIGHT = 34 / 32
 # KV cache storage: the float dtypes, or FP8 e4m3 with per-tensor scales ("fp8").
@@ -134,10 +136,14 @@ def _check_dtype(dtype: str) -> int:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPE_BYTES)}") from None
 
 
-def weight_bytes(m: ModelDims, weight_dtype: str = "bfloat16", quant: str | None = None) -> int:
+def weight_bytes(m: ModelDims, weight_dtype: str = "bfloat16", quant: str | None = None,
+                 gguf: GGUFWeights | None = None) -> int:
     """Bytes of all weights. Quantization shrinks the block matmuls only: embeddings, the
-    untied lm_head and the norms stay in ``weight_dtype`` (as AWQ and FP8 checkpoints do)."""
+    untied lm_head and the norms stay in ``weight_dtype`` (as AWQ and FP8 checkpoints do).
+    ``gguf``: the file's own tensors, for quant "gguf" (without it, the Q4_1 estimate)."""
     b = _check_dtype(weight_dtype)
+    if quant == "gguf" and gguf is not None:
+        return gguf.memory_bytes(m, b)
     c = param_counts(m)
     rest = (c.embedding + c.lm_head + c.norms) * b
     if quant is None:
@@ -153,10 +159,11 @@ def weight_bytes(m: ModelDims, weight_dtype: str = "bfloat16", quant: str | None
     raise ValueError(f"unknown quantization {quant!r}; use one of {', '.join(QUANTS)}")
 
 
-def decode_read_bytes(m: ModelDims, weight_dtype: str = "bfloat16", quant: str | None = None) -> int:
+def decode_read_bytes(m: ModelDims, weight_dtype: str = "bfloat16", quant: str | None = None,
+                      gguf: GGUFWeights | None = None) -> int:
     """Weight bytes one decode step reads. An untied embedding table is only indexed (one row);
     a tied one is read in full as the lm_head."""
-    total = weight_bytes(m, weight_dtype, quant)
+    total = weight_bytes(m, weight_dtype, quant, gguf)
     if quant == "gguf":  # the float embedding is only indexed; the head has its own blocks
         return total - (m.vocab_size - 1) * m.hidden_size * DTYPE_BYTES[weight_dtype]
     if m.tie_word_embeddings:
@@ -193,3 +200,143 @@ def workspace_bytes(m: ModelDims, act_dtype: str, max_num_batched_tokens: int, m
     per_token = 3 * m.hidden_size + 2 * q + 2 * kv + 3 * m.intermediate_size
     logits = 2 * max_num_seqs * m.vocab_size * 4
     return max_num_batched_tokens * per_token * b + logits
+
+
+def engine_matrices(m: ModelDims) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each decoder matmul as the engine builds it: q/k/v fused
+    in ``qkv_proj`` and gate/up in ``gate_up_proj`` (models/llama.py)."""
+    h, i = m.hidden_size, m.intermediate_size
+    q = m.num_heads * m.head_dim
+    kv = m.num_kv_heads * m.head_dim
+    return {"qkv_proj": (h, q + 2 * kv), "o_proj": (q, h), "gate_up_proj": (h, 2 * i), "down_proj": (i, h)}
+
+
+def largest_matrix(m: ModelDims) -> tuple[str, int, int]:
+    """The decoder matmul with the most weights: (name, in_features, out_features)."""
+    name, (k, n) = max(engine_matrices(m).items(), key=lambda kv: kv[1][0] * kv[1][1])
+    return name, k, n
+
+
+# --- GGUF files: sized from their tensors -------------------------------------------------------
+
+# llama.cpp's K-quants pack 256 weights a block along a row; a row of another length falls back to
+# a 32-weight type of about the same size (llama-quant.cpp's fallback): what a Q4_K_M of a model
+# with 576-wide rows (SmolLM2) holds instead.
+_K_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+
+
+def gguf_type_bytes(type_name: str, weights: int) -> int:
+    """Stored bytes of ``weights`` values of a ggml type ("Q4_K", "F32", ...), from the gguf
+    package's own block table (block size, bytes per block)."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    try:
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    except KeyError:
+        raise ValueError(f"unknown GGUF tensor type {type_name!r}") from None
+    return -(-weights // block) * size
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFWeights:
+    """A GGUF checkpoint's weights as stored: what a "gguf" plan keeps in memory.
+
+    Invariant: ``tensor_bytes`` is the sum of every tensor's stored bytes (for a file, the
+    GGUFReader's ``n_bytes``; the file is that plus its metadata). In memory the embedding
+    lookup reads a float copy of ``token_embd``; the file's ``token_embd`` blocks stay only
+    as the tied head (``memory_bytes``).
+    """
+
+    tensor_bytes: int
+    embedding_bytes: int  # token_embd as stored
+    types: tuple[tuple[str, int], ...]  # (ggml type name, stored bytes), most bytes first
+    source: str  # what it was sized from, for the plan's reason: the file, the catalog or the dims
+
+    @property
+    def label(self) -> str:
+        """The types by share of the bytes, e.g. "Q4_K 78% + Q6_K 21% + F32 1%"."""
+        total = max(1, self.tensor_bytes)
+        return " + ".join(f"{name} {100 * n / total:.0f}%" for name, n in self.types if 100 * n / total >= 0.5)
+
+    def memory_bytes(self, m: ModelDims, float_bytes: int) -> int:
+        """Stored tensors, less ``token_embd``'s blocks when the model has its own head, plus
+        the float embedding table (``float_bytes`` a value)."""
+        blocks = self.tensor_bytes - (0 if m.tie_word_embeddings else self.embedding_bytes)
+        return blocks + m.vocab_size * m.hidden_size * float_bytes
+
+
+def gguf_weights_from_file(path: str | os.PathLike[str]) -> GGUFWeights:
+    """Each tensor's real type and stored bytes, from the file's header (memory-mapped: the
+    weights are not read). Raises LocalLLMError for a file that is not GGUF."""
+    try:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(path)
+    except Exception as e:  # noqa: BLE001 - the reader raises whatever a truncated or foreign file trips
+        raise LocalLLMError(f"{os.fspath(path)}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+    by_type: dict[str, int] = {}
+    embedding = 0
+    for t in reader.tensors:
+        by_type[t.tensor_type.name] = by_type.get(t.tensor_type.name, 0) + int(t.n_bytes)
+        if t.name == "token_embd.weight":
+            embedding = int(t.n_bytes)
+    types = tuple(sorted(by_type.items(), key=lambda kv: -kv[1]))
+    return GGUFWeights(sum(by_type.values()), embedding, types, f"the tensors of {os.path.basename(path)}")
+
+
+def _more_bits(i: int, n: int) -> bool:
+    """llama.cpp's use_more_bits: the first and last eighth of the layers and every third one
+    between get the larger type in a _M mix."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def gguf_q4_k_m_weights(m: ModelDims) -> GGUFWeights:
+    """What llama.cpp's Q4_K_M of this model holds, from its dims: Q4_K linears; attn_v and
+    ffn_down Q6_K in the layers ``_more_bits`` picks; the head Q6_K (the embedding, when tied);
+    token_embd Q4_K; norms F32; 256-block types on rows of another length falling back as
+    llama.cpp does. A catalog entry's published file size (``gguf_sizes["Q4_K_M"]``) wins
+    over this estimate (within 1% of it for Llama-3.1-8B, tests/test_catalog.py)."""
+    by_type: dict[str, int] = {}
+
+    def add(kind: str, rows: int, cols: int) -> int:
+        if kind in _K_FALLBACK and cols % 256:
+            kind = _K_FALLBACK[kind]
+        n = gguf_type_bytes(kind, rows * cols)
+        by_type[kind] = by_type.get(kind, 0) + n
+        return n
+
+    h, i = m.hidden_size, m.intermediate_size
+    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    for layer in range(m.num_layers):
+        more = _more_bits(layer, m.num_layers)
+        add("Q4_K", q, h)  # attn_q: q rows of h weights
+        add("Q4_K", kv, h)  # attn_k
+        add("Q6_K" if more else "Q4_K", kv, h)  # attn_v
+        add("Q4_K", h, q)  # attn_output
+        add("Q4_K", i, h)  # ffn_gate
+        add("Q4_K", i, h)  # ffn_up
+        add("Q6_K" if more else "Q4_K", h, i)  # ffn_down
+    embedding = add("Q6_K" if m.tie_word_embeddings else "Q4_K", m.vocab_size, h)
+    if not m.tie_word_embeddings:
+        add("Q6_K", m.vocab_size, h)
+    norms = (2 * m.num_layers + 1) * h * 4
+    by_type["F32"] = by_type.get("F32", 0) + norms
+    types = tuple(sorted(by_type.items(), key=lambda kv: -kv[1]))
+    return GGUFWeights(sum(by_type.values()), embedding, types, "llama.cpp's Q4_K_M recipe applied to the dims")
+
+
+def gguf_catalog_weights(m: ModelDims, mix: str = "Q4_K_M") -> GGUFWeights:
+    """A model's ``mix`` GGUF as the catalog knows it: its published file size where the entry
+    has one (``gguf_sizes``), else the dims estimate (Q4_K_M only)."""
+    estimate = gguf_q4_k_m_weights(m)
+    sizes: dict[str, int] = getattr(m, "gguf_sizes", None) or {}
+    published = sizes.get(mix)
+    if published is None:
+        if mix != "Q4_K_M":
+            raise LocalLLMError(f"no {mix} size for this model in the catalog; only Q4_K_M can be estimated")
+        return estimate
+    # The published size includes the metadata (the tokenizer: a few MB), so it slightly
+    # overstates the tensors: the safe side for a memory plan.
+    scale = published / estimate.tensor_bytes
+    types = tuple((name, int(n * scale)) for name, n in estimate.types)
+    return GGUFWeights(published, int(estimate.embedding_bytes * scale), types, f"the published {mix} file size")

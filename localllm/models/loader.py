@@ -463,14 +463,13 @@ def build_model(
         model = LlamaForCausalLM(ckpt.config)
     if quantize is not None:
         quantize(model)
+    _cast_on_meta(model, dtype)
+    tied = ckpt.config.tie_word_embeddings and isinstance(model.lm_head, torch.nn.Linear)
+    if tied:
+        # to_empty visits a shared Parameter once per owner and would allocate it twice
+        model.lm_head._parameters["weight"] = None
     model = model.to_empty(device=device)
-    for p in model.parameters():
-        if p.is_floating_point():
-            p.data = p.data.to(dtype)
-    # The final norm feeds the logits; in fp32 its output lets compute_logits refine the top
-    # candidates exactly (see there). It is one vector.
-    model.model.norm.weight.data = model.model.norm.weight.data.float()
-    if ckpt.config.tie_word_embeddings and isinstance(model.lm_head, torch.nn.Linear):
+    if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
     done = 0
 
@@ -490,6 +489,23 @@ def build_model(
         )
     model.init_rope(max_positions)
     return model.eval()
+
+
+def _cast_on_meta(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
+    """Gives every floating Parameter its final dtype while the model is still on the meta
+    device, so that ``to_empty`` allocates each tensor once, as it will stay.
+
+    Invariant: from ``to_empty`` on, the device holds the final weights and, while one streams
+    in, that one checkpoint tensor (and the temporaries of quantizing one linear). Casting
+    after ``to_empty`` would first materialise the whole model in fp32: 32 GB for an 8B model
+    planned in bf16 on a 24 GB card. Buffers keep their dtypes (quantized codes, fp16 AWQ
+    scales, fp32 weight scales)."""
+    for p in model.parameters():
+        if p.is_floating_point():
+            p.data = p.data.to(dtype)
+    # The final norm feeds the logits; in fp32 its output lets compute_logits refine the top
+    # candidates exactly (see there). It is one vector.
+    model.model.norm.weight.data = model.model.norm.weight.data.float()
 
 
 @dataclass(slots=True)
@@ -561,7 +577,9 @@ def load_model(
     if device is not None and device not in ("cpu", "cuda"):
         raise LocalLLMError(f"--device {device!r}: use cpu or cuda")
     if device == "cuda" and hw.gpu is None:
-        raise LocalLLMError("--device cuda: no CUDA GPU is usable here; use --device cpu")
+        why = next((n.removeprefix("no NVIDIA GPU: ").removesuffix("; planning for the CPU") for n in hw.notes
+                    if n.startswith("no NVIDIA GPU")), "no CUDA GPU is usable here")
+        raise LocalLLMError(f"--device cuda: {why}; use --device cpu")
     if device == "cpu":
         hw = replace(hw, gpus=())
     pre_quant = (cfg.quantization or {}).get("quant_method")

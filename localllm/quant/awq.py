@@ -68,6 +68,7 @@ class AWQLinear(QuantLinear):
 
     method = "awq"
     shard_tensors = ("qweight", "qzeros", "scales")
+    row_wise = True  # groups run along the input; output rows (and so shards) are independent
 
     def __init__(
         self,
@@ -117,11 +118,13 @@ class AWQLinear(QuantLinear):
         else:
             self.scales[:, rows].copy_(tensor)
 
-    def set_weight(self, weight: torch.Tensor) -> None:
+    def set_weight_rows(self, weight: torch.Tensor, rows: slice) -> None:
+        # shards are whole packed words: output sizes are multiples of 8 (checked above)
         codes, scales, zeros = quantize_int4(weight.to(self.qweight.device), self.group_size)
-        self.qweight.copy_(awq_pack(codes.t()))
-        self.qzeros.copy_(awq_pack(zeros.t()))
-        self.scales.copy_(scales.t())
+        words = slice(rows.start // 8, rows.stop // 8)
+        self.qweight[:, words].copy_(awq_pack(codes.t()))
+        self.qzeros[:, words].copy_(awq_pack(zeros.t()))
+        self.scales[:, rows].copy_(scales.t())
         self._cpu_packed = None
 
     def _finish_loading(self) -> None:

@@ -40,14 +40,19 @@ class QuantLinear(nn.Module):
     per checkpoint tensor; ``expected_weight_names()`` lists the tensors still missing, so the
     loader's ``expected - loaded`` names exactly what a checkpoint lacks, whichever way it
     spells the loaded names. In online mode the checkpoint is a float one: each shard's
-    ``weight`` is staged on the CPU and the whole module is quantized on its device when the
-    last shard arrives, so at most one float linear sits on the device at a time.
+    ``weight`` is quantized into its rows as it arrives where the format's rows quantize
+    independently (``row_wise``: every format here but GGUF's), so at most one float
+    checkpoint tensor and its quantization temporaries exist at a time; otherwise shards are
+    staged on the CPU and the whole module is quantized on its device when the last arrives.
     """
 
     method: ClassVar[str] = ""
     # Names of one shard's tensors in a checkpoint of this format; optional ones may be absent.
     shard_tensors: ClassVar[tuple[str, ...]] = ()
     optional_tensors: ClassVar[tuple[str, ...]] = ()
+    # Output rows quantize independently (per-row scales, groups along the input): online
+    # loading then quantizes each shard as it arrives instead of staging the fused weight.
+    row_wise: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -81,6 +86,12 @@ class QuantLinear(nn.Module):
 
     def set_weight(self, weight: torch.Tensor) -> None:
         """Quantizes a float ``[out, in]`` weight (any device) into this module's buffers."""
+        if not self.row_wise:
+            raise NotImplementedError
+        self.set_weight_rows(weight, slice(0, self.out_features))
+
+    def set_weight_rows(self, weight: torch.Tensor, rows: slice) -> None:
+        """``row_wise`` formats: quantizes float output rows ``rows`` (``[n, in]``, any device)."""
         raise NotImplementedError
 
     def dequantize(self) -> torch.Tensor:
@@ -116,6 +127,9 @@ class QuantLinear(nn.Module):
         if name == "bias" and self.bias is not None:
             self._check_shape(name, tensor, (rows.stop - rows.start,))
             self.bias.data[rows].copy_(tensor)
+        elif self.online and name == "weight" and self.row_wise:
+            self._check_shape("weight", tensor, (rows.stop - rows.start, self.in_features))
+            self.set_weight_rows(tensor, rows)
         elif self.online and name == "weight":
             self._stage(tensor, rows)
         elif name in self.shard_tensors or name in self.optional_tensors:
@@ -212,6 +226,7 @@ class ChannelScaledLinear(QuantLinear):
     shard_tensors = ("weight", "weight_scale")
     optional_tensors = ("input_scale",)
     storage_dtype: ClassVar[torch.dtype] = torch.int8
+    row_wise = True  # one scale per output row
 
     def __init__(
         self,
@@ -254,10 +269,10 @@ class ChannelScaledLinear(QuantLinear):
         """``w [out, in]`` -> codes in ``storage_dtype`` and float32 scales ``[out]``."""
         raise NotImplementedError
 
-    def set_weight(self, weight: torch.Tensor) -> None:
+    def set_weight_rows(self, weight: torch.Tensor, rows: slice) -> None:
         q, s = self.quantize(weight.to(self.weight.device))
-        self.weight.copy_(q)
-        self.weight_scale.copy_(s)
+        self.weight[rows].copy_(q)
+        self.weight_scale[rows].copy_(s)
 
     def dequantize(self) -> torch.Tensor:
         return self.weight.float() * self.weight_scale[:, None]

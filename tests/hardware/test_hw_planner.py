@@ -11,7 +11,8 @@ from test_hw_sizing import EngineConfig
 from localllm.catalog import load_catalog
 from localllm.errors import LocalLLMError
 from localllm.hardware.planner import CPU_FIRST_COMPILE_BYTES, DoesNotFit, Plan, compare_memory, decode_tokens_per_s, plan
-from localllm.hardware.probe import GiB, find_known_gpu, lookup_gpu
+from localllm.hardware.probe import GiB, MiB, Hardware, find_known_gpu, hardware_for_gpu, lookup_gpu
+from localllm.hardware.sizing import gguf_catalog_weights
 
 CATALOG = load_catalog()
 
@@ -144,11 +145,112 @@ def test_cpu_pool_is_context_times_chats() -> None:
     assert p.context_bytes == 0
 
 
+def _held_by_others(hw: Hardware, gib: float) -> Hardware:
+    """The card as NVML reports it with ``gib`` held by other processes (the desktop, a browser)."""
+    gpu = hw.gpus[0]
+    return replace(hw, gpus=(replace(gpu, free_bytes=gpu.total_bytes - int(gib * GiB)),))
+
+
 def test_gpu_budget_respects_free_memory() -> None:
-    hw = gpu_hw("RTX 4090")
-    busy = replace(hw, gpus=(replace(hw.gpus[0], free_bytes=int(12 * GiB)),))
+    busy = _held_by_others(gpu_hw("RTX 4090"), 12)
     p = plan(CATALOG["qwen2.5-3b-instruct"], busy)
-    assert p.budget_bytes == int(12 * GiB) and "free" in p.reasons[1]
+    # free, less the reserve for the engine's transients and the margin: none of it planned
+    assert p.budget_bytes == int(12 * GiB) - p.reserve_bytes - p.margin_bytes
+    assert p.others_bytes == 12 * GiB and "free" in p.reasons[1] and "12.0 GiB held by other processes" in p.reasons[1]
+
+
+def test_the_held_figure_is_nvmls_per_process_one_and_the_budget_comes_from_free() -> None:
+    hw = _held_by_others(gpu_hw("RTX 4090"), 3)  # NVML: 3 GiB used, of which the processes' own 2 GiB
+    hw = replace(hw, gpus=(replace(hw.gpus[0], others_bytes=2 * GiB),))
+    p = plan(CATALOG["llama-3.1-8b-instruct"], hw, quant="awq")
+    assert p.others_bytes == 2 * GiB and "2.0 GiB held by other processes" in p.reasons[1]
+    assert p.budget_bytes == 21 * GiB - p.reserve_bytes - p.margin_bytes
+
+
+# A 24 GB card on a desktop whose display and browser hold 2 GB: the RTX 4090 (sm89) and any
+# 24 GiB card (--vram 24: assumed sm86).
+DESKTOP_24GB = [("RTX 4090", None), (None, 24)]
+
+
+@pytest.mark.parametrize("gpu, vram", DESKTOP_24GB)
+@pytest.mark.parametrize("quant", ["awq", "gguf"])
+def test_a_24gb_card_with_2gb_held_by_others_plans_llama_8b_with_room_to_spare(
+    gpu: str | None, vram: float | None, quant: str
+) -> None:
+    entry = CATALOG["llama-3.1-8b-instruct"]
+    hw = _held_by_others(hardware_for_gpu(gpu, vram, base=cpu_hw()), 2)
+    free = hw.gpus[0].free_bytes
+    gguf = gguf_catalog_weights(entry) if quant == "gguf" else None
+    p = plan(entry, hw, quant=quant, gguf=gguf)
+    assert p.device == "cuda" and p.quant == quant and p.use_cuda_graphs and p.time_gemm_candidates
+    if quant == "gguf":  # the published Q4_K_M file (4.92 GB), token_embd's blocks swapped for a bf16 table
+        assert gguf is not None and gguf.tensor_bytes == entry.gguf_sizes["Q4_K_M"] == 4_920_000_000
+        assert p.weight_bytes == 4_920_000_000 - gguf.embedding_bytes + entry.vocab_size * entry.hidden_size * 2
+    # Room to spare: the model's whole 8K default and far more, at 16-bit KV.
+    assert p.kv_dtype == "bfloat16" and p.kv_tokens >= 65_536 and p.max_model_len >= 65_536
+    # The reserve (the torch GEMM candidate for the largest matrix, the autotune buffer, cuBLAS)
+    # and the margin are left unallocated: nothing the plan counts may use them.
+    assert p.others_bytes == 2 * GiB
+    candidate = 4096 * 28672 * 12  # gate_up_proj dequantized by the torch candidate
+    assert p.reserve_bytes >= candidate + 256 * MiB
+    assert free - p.total_bytes >= p.reserve_bytes + p.margin_bytes
+    assert p.total_bytes <= p.budget_bytes
+    # ... and the plan says so, item by item.
+    assert "2.0 GiB held by other processes" in p.reasons[1] and "reserve" in p.reasons[1]
+    line = p.reasons[-1]
+    assert line.startswith("reserve ") and all(
+        word in line for word in ("GEMM choice", "gate_up_proj 4096x28672", "autotune", "cuBLAS", "CUDA context"))
+    assert "held by other processes" in p.to_dict()["reasons"][1] and p.to_dict()["reserve_bytes"] == p.reserve_bytes
+
+
+@pytest.mark.parametrize("gpu, model_id, context, chats, precision", [c for c in CASES if c[0]])
+def test_the_reserve_and_margin_are_never_planned(
+    gpu: str, model_id: str, context: int | None, chats: int, precision: str
+) -> None:
+    hw = _held_by_others(gpu_hw(gpu), 1)
+    try:
+        p = plan(CATALOG[model_id], hw, context=context, chats=chats)
+    except DoesNotFit as e:  # a desktop's 1 GiB can tip a tight case over: then the nearest plan keeps it
+        assert e.nearest is not None
+        p = e.nearest
+    assert hw.gpus[0].free_bytes - p.total_bytes >= p.reserve_bytes + p.margin_bytes > 0
+
+
+def test_a_card_too_small_refuses_in_one_line_naming_the_nearest_plan() -> None:
+    hw = _held_by_others(gpu_hw("RTX 4060"), 2)  # 8 GiB, 6 free
+    with pytest.raises(DoesNotFit) as info:
+        plan(CATALOG["llama-3.1-8b-instruct"], hw, quant="awq")
+    e = info.value
+    message = str(e)
+    assert "\n" not in message and message.startswith("llama-3.1-8b-instruct does not fit on RTX 4060")
+    assert "2.0 GiB held by other processes" in message and "reserve for the engine's transients" in message
+    # the nearest plan, with its numbers
+    assert "nearest that fits: " in message and " of a " in message and " budget" in message
+    assert e.nearest is not None and e.nearest.total_bytes <= e.nearest.budget_bytes
+    assert hw.gpus[0].free_bytes - e.nearest.total_bytes >= e.nearest.reserve_bytes + e.nearest.margin_bytes
+    assert e.suggestions and all("budget" in s for s in e.suggestions)
+
+
+def test_a_pinned_precision_that_does_not_fit_names_the_quantized_plan_that_does() -> None:
+    with pytest.raises(DoesNotFit) as info:
+        plan(CATALOG["llama-3.1-8b-instruct"], gpu_hw("RTX 4060"), quant="fp8")  # 8 GB of weights, 8 GiB card
+    e = info.value
+    assert "\n" not in str(e) and "as fp8" in str(e)
+    assert e.nearest is not None and e.nearest.precision == "awq-int4"
+    assert any(s.startswith("awq-int4 weights at 8,192 tokens (awq-int4, ") for s in e.suggestions), e.suggestions
+
+
+def test_the_gemm_candidates_room_goes_before_a_precision_on_a_small_card() -> None:
+    p = plan(CATALOG["llama-3.1-8b-instruct"], gpu_hw("RTX 4060"))
+    assert p.precision == "awq-int4" and not p.time_gemm_candidates
+    assert not any(k.startswith("GEMM choice") for k in p.reserve)
+    assert "no room kept for the GEMM choice's torch candidate (gate_up_proj" in p.reasons[7]
+
+
+def test_cpu_plans_keep_no_gpu_reserve() -> None:
+    p = plan(CATALOG["smollm2-135m-instruct"], cpu_hw())
+    assert p.reserve == {} and p.reserve_bytes == p.others_bytes == p.margin_bytes == 0
+    assert not any(r.startswith("reserve ") for r in p.reasons)
 
 
 def test_the_engine_config_is_planned_like_a_catalog_entry() -> None:

@@ -64,6 +64,44 @@ def test_probe_by_vram_alone(capsys: pytest.CaptureFixture[str]) -> None:
     assert doc["models"][0]["precision"] == "int8"  # 12 GiB, assumed sm86: no FP8 tensor cores
 
 
+@pytest.mark.parametrize("quant", ["awq", "gguf"])
+def test_probe_plans_llama_8b_on_a_4090_with_2_gib_held_by_the_desktop(
+    quant: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["probe", "--gpu", "RTX 4090", "--vram-used", "2", "--model", "llama-3.1-8b-instruct", "--quant", quant]
+    assert main([*args, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["hardware"]["gpus"][0]["free_bytes"] == 22 * 2**30 and doc["request"]["vram_used_gib"] == 2
+    (row,) = doc["models"]
+    plan = row["plan"]
+    assert row["status"] == "fits" and plan["quant"] == quant and row["max_context"] >= 65_536
+    assert plan["others_bytes"] == 2 * 2**30 and plan["reserve_bytes"] > 2**30
+    assert 22 * 2**30 - plan["total_bytes"] >= plan["reserve_bytes"] + plan["margin_bytes"]
+    if quant == "gguf":
+        assert "published Q4_K_M file size" in row["reason"] and "Q4_K" in row["reason"]
+    # The table run prints the plan's reasons: the budget, the reserve item by item.
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "2.0 GiB held by other processes" in out and "reserve for the engine's transients" in out
+    assert "GEMM choice: torch candidate for gate_up_proj" in out and "Triton autotune" in out
+
+
+def test_probe_sizes_a_gguf_file_from_its_tensors(default_model_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["probe", "--json", "--model", str(default_model_path)]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["models"]
+    assert row["id"] == default_model_path.name and row["status"] == "fits"
+    assert row["precision"] == "gguf" and "Q4_1 69% + Q8_0 31%" in row["reason"]
+    # the tensors as stored + the float32 lookup table of the tied embedding
+    assert row["weight_bytes"] == 96_576_768 + 49152 * 576 * 4
+
+
+def test_probe_quant_gguf_sizes_a_catalog_model_as_its_q4_k_m(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["probe", "--json", "--quant", "gguf", "--model", "smollm2-135m-instruct"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["models"]
+    # no published size for this one: llama.cpp's recipe, its 576-wide rows on Q5_0/Q8_0
+    assert row["precision"] == "gguf" and "Q4_K_M recipe" in row["reason"] and "Q5_0" in row["reason"]
+
+
 def _run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "localllm.cli", "probe", *args],
@@ -84,6 +122,11 @@ def test_probe_subprocess_exits_0_with_a_cpu_profile() -> None:
     (["--chats", "0"], "--chats must be at least 1"),
     (["--vram", "0"], "--vram must be a positive"),
     (["--gpu", "H100", "--measure"], "--measure measures this machine"),
+    (["--vram-used", "2"], "--vram-used describes a card named with --gpu or --vram"),
+    (["--vram", "8", "--vram-used", "8"], "--vram-used 8 GiB is not less than the card's 8 GiB"),
+    (["--gpu", "RTX 4090", "--vram-used", "-1"], "--vram-used must be 0 or more"),
+    (["--model", "missing.gguf"], "missing.gguf: no such file"),
+    (["--model", "missing.gguf", "--quant", "awq"], "--quant awq with a .gguf file"),
 ])
 def test_bad_input_exits_2_with_one_line(
     args: list[str], message: str, capsys: pytest.CaptureFixture[str]

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from localllm.catalog import CatalogEntry, load_catalog
+from localllm.errors import LocalLLMError
 from localllm.hardware import sizing
+
+if TYPE_CHECKING:
+    from localllm.models.loader import Checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -79,3 +85,70 @@ def test_any_object_with_the_dims_works() -> None:
     assert sizing.count_params(EngineConfig()) == 134_515_008
     with pytest.raises(ValueError, match="unknown quantization"):
         sizing.weight_bytes(EngineConfig(), "bfloat16", "int3")
+
+
+# --- GGUF: sized from the file's tensors --------------------------------------------------------
+
+
+def test_a_gguf_file_is_sized_from_its_tensors(default_model_path: Path, default_checkpoint: Checkpoint) -> None:
+    """The default model's Q4_1 file: the tensors' stored bytes are the file's data section
+    (the file less its header and metadata, up to each tensor's alignment padding)."""
+    from gguf import GGUFReader
+
+    weights = sizing.gguf_weights_from_file(default_model_path)
+    reader = GGUFReader(default_model_path)
+    data = default_model_path.stat().st_size - reader.data_offset
+    assert data - len(reader.tensors) * reader.alignment < weights.tensor_bytes <= data
+    assert dict(weights.types).keys() == {"Q4_1", "Q8_0", "F32"}
+    assert weights.label.startswith("Q4_1 69% + Q8_0 31%")
+    # token_embd is Q8_0: 49152 x 576 weights, 34 bytes per 32
+    assert weights.embedding_bytes == 49152 * 576 // 32 * 34
+    cfg = default_checkpoint.config
+    # In memory: the tensors as stored (token_embd's blocks serve as the tied head) + the fp32 lookup table;
+    # for this all-Q4_1 file, exactly the Q4_1 estimate the planner used before it read files.
+    from_file = sizing.weight_bytes(cfg, "float32", "gguf", weights)
+    assert from_file == weights.tensor_bytes + 49152 * 576 * 4
+    assert from_file == sizing.weight_bytes(cfg, "float32", "gguf")
+
+
+def test_a_file_that_is_not_gguf_is_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"not a gguf file at all")
+    with pytest.raises(LocalLLMError, match="not a readable GGUF file") as info:
+        sizing.gguf_weights_from_file(bad)
+    assert "\n" not in str(info.value)
+
+
+def test_q4_k_m_estimate_matches_published_files() -> None:
+    """llama.cpp's Q4_K_M recipe applied to the dims: Llama-3.1-8B's published file is 4.92 GB
+    (the catalog's figure); SmolLM2-135M requantized by llama-quantize made a 99 MiB file
+    (issue #28), its 576-wide rows falling back from Q4_K/Q6_K to Q5_0/Q8_0."""
+    catalog = load_catalog()
+    llama = catalog["llama-3.1-8b-instruct"]
+    estimate = sizing.gguf_q4_k_m_weights(llama)
+    assert estimate.tensor_bytes == pytest.approx(llama.gguf_sizes["Q4_K_M"], rel=0.01)
+    assert [name for name, _ in estimate.types][:2] == ["Q4_K", "Q6_K"]
+    smol = sizing.gguf_q4_k_m_weights(catalog["smollm2-135m-instruct"])
+    assert smol.tensor_bytes == pytest.approx(99 * 2**20, rel=0.02)
+    assert {"Q5_0", "Q8_0"} <= dict(smol.types).keys()
+    # The catalog's published size wins over the estimate where there is one.
+    published = sizing.gguf_catalog_weights(llama)
+    assert published.tensor_bytes == 4_920_000_000 and "published" in published.source
+    assert sizing.gguf_catalog_weights(catalog["qwen3-8b"]).source.startswith("llama.cpp's Q4_K_M recipe")
+    with pytest.raises(LocalLLMError, match="no Q5_K_M size"):
+        sizing.gguf_catalog_weights(llama, "Q5_K_M")
+
+
+def test_gguf_type_bytes_come_from_the_gguf_package_table() -> None:
+    assert sizing.gguf_type_bytes("Q4_K", 256) == 144
+    assert sizing.gguf_type_bytes("Q6_K", 512) == 420
+    assert sizing.gguf_type_bytes("Q4_1", 64) == 40
+    with pytest.raises(ValueError, match="unknown GGUF tensor type"):
+        sizing.gguf_type_bytes("Q4_Z", 32)
+
+
+def test_the_largest_engine_matrix_is_the_fused_gate_up() -> None:
+    llama = load_catalog()["llama-3.1-8b-instruct"]
+    assert sizing.largest_matrix(llama) == ("gate_up_proj", 4096, 2 * 14336)
+    assert sum(k * n for k, n in sizing.engine_matrices(llama).values()) * llama.num_layers == (
+        sizing.param_counts(llama).block_linear)

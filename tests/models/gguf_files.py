@@ -5,6 +5,7 @@ shards the way its --split-max-tensors does)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -65,9 +66,22 @@ def spm_vocab(sp) -> tuple[list[str], list[float], list[int]]:  # noqa: ANN001
 HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 32, 64, 2, 1, 2
 
 
-def random_llama_weights(vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """HF-named fp32 weights of a tiny untied llama model."""
+@dataclass(frozen=True, slots=True)
+class LlamaDims:
+    hidden: int = HIDDEN
+    ffn: int = FFN
+    heads: int = HEADS
+    kv_heads: int = KV_HEADS
+    layers: int = LAYERS
+
+
+TINY = LlamaDims()
+
+
+def random_llama_weights(vocab: int, seed: int = 0, dims: LlamaDims = TINY) -> dict[str, torch.Tensor]:
+    """HF-named fp32 weights of a tiny (or ``dims``-shaped) untied llama model."""
     g = torch.Generator().manual_seed(seed)
+    HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = dims.hidden, dims.ffn, dims.heads, dims.kv_heads, dims.layers  # noqa: N806
     head_dim = HIDDEN // HEADS
 
     def rand(*shape: int, scale: float = 0.1) -> torch.Tensor:
@@ -94,8 +108,9 @@ _GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self
                "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
 
 
-def _gguf_tensors(sd: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+def _gguf_tensors(sd: dict[str, torch.Tensor], dims: LlamaDims = TINY) -> list[tuple[str, torch.Tensor]]:
     """llama.cpp's names, with Q and K rows permuted into its interleaved rotary layout."""
+    HEADS, KV_HEADS, LAYERS = dims.heads, dims.kv_heads, dims.layers  # noqa: N806
     out = [("token_embd.weight", sd["model.embed_tokens.weight"]), ("output_norm.weight", sd["model.norm.weight"]),
            ("output.weight", sd["lm_head.weight"])]
     for i in range(LAYERS):
@@ -111,10 +126,14 @@ def _gguf_tensors(sd: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]
 def write_llama_gguf(
     path: Path, tokens: list[str], scores: list[float], types: list[int], weights: dict[str, torch.Tensor], *,
     arch: str = "llama", chat_template: str | None = None, split_max_tensors: int = 0,
+    dims: LlamaDims = TINY, block_type: int | None = None,
 ) -> list[Path]:
     """Writes the model (one file, or shards of at most ``split_max_tensors`` tensors) and returns
-    the paths written, first to last."""
+    the paths written, first to last. Matrices are F32, or ``block_type`` blocks (a
+    GGMLQuantizationType value, e.g. 8 for Q8_0) quantized by gguf's reference code."""
     import gguf
+
+    HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = dims.hidden, dims.ffn, dims.heads, dims.kv_heads, dims.layers  # noqa: N806
 
     path.parent.mkdir(parents=True, exist_ok=True)
     w = gguf.GGUFWriter(path, arch, split_max_tensors=split_max_tensors)
@@ -139,8 +158,12 @@ def write_llama_gguf(
     w.add_add_eos_token(False)
     if chat_template is not None:
         w.add_chat_template(chat_template)
-    for name, t in _gguf_tensors(weights):
-        w.add_tensor(name, t.contiguous().numpy())
+    for name, t in _gguf_tensors(weights, dims):
+        if block_type is None or t.dim() < 2:
+            w.add_tensor(name, t.contiguous().numpy())
+        else:
+            kind = gguf.GGMLQuantizationType(block_type)
+            w.add_tensor(name, gguf.quants.quantize(t.contiguous().numpy(), kind), raw_dtype=kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

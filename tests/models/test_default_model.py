@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from localllm import LLM, SamplingParams
+from localllm.errors import LocalLLMError
 from localllm.models.llama import AttentionMetadata
-from localllm.models.loader import open_checkpoint, save_hf_folder
+from localllm.models.loader import load_model, open_checkpoint, save_hf_folder
 from tests.reference import hf_state_dict, reference_greedy, reference_logits
 
 PROMPTS = [
@@ -88,7 +89,14 @@ def test_stop_string_truncates_and_ends(llm: LLM) -> None:
 
 
 def test_prompt_longer_than_context_is_an_error(llm: LLM) -> None:
-    from localllm.errors import LocalLLMError
-
     with pytest.raises(LocalLLMError, match="context limit"):
         llm.generate([[1] * (llm.engine.max_model_len + 5)], GREEDY)
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="this torch is a CUDA build")
+def test_device_cuda_on_a_cpu_only_torch_says_why(default_model_path: Path) -> None:
+    with pytest.raises(LocalLLMError) as e:
+        load_model(str(default_model_path), device="cuda")
+    message = str(e.value)
+    assert message.startswith("--device cuda: ") and message.endswith("; use --device cpu")
+    assert f"torch {torch.__version__} is a CPU-only build" in message and "\n" not in message

@@ -82,12 +82,14 @@ def test_fp8_table_upcast_matches_torch_cast(weight: torch.Tensor) -> None:
     assert not torch.isnan(q.float()).any() and q.float()[0, 0] == 448.0
 
 
-def test_online_module_quantizes_when_last_shard_arrives(weight: torch.Tensor) -> None:
+def test_online_module_quantizes_each_shard_as_it_arrives(weight: torch.Tensor) -> None:
     m = make_quant_linear("int8", 128, 96, [64, 32], False, online=True)
+    ref = _module("int8", weight)
     assert sorted(m.expected_weight_names()) == ["weight#0", "weight#1"]
     m.load_weight("weight", weight[64:], 1)
-    assert m.expected_weight_names() == ["weight#0"] and m._staging is not None
+    # per-row scales: the shard's rows are final at once, and no float copy is kept
+    assert m.expected_weight_names() == ["weight#0"] and m._staging is None
+    assert torch.equal(m.weight[64:], ref.weight[64:])
     m.load_weight("weight", weight[:64], 0)
     assert m.expected_weight_names() == [] and m._staging is None
-    ref = _module("int8", weight)
     assert torch.equal(m.weight, ref.weight) and torch.equal(m.weight_scale, ref.weight_scale)

@@ -9,6 +9,12 @@ compiler accepts them with the launch configurations the dispatchers and autotun
 reports the static cost ptxas sees: registers per thread, spilled bytes, and shared memory
 against the device limit. It needs Triton's bundled ptxas, not a driver. It cannot time
 anything: speed is measured by bench/gpu_check.py on a GPU.
+
+For every split-K case it also reads the PTX for the ordering the "last program reduces"
+protocol needs (``splitk_order``: a bar.sync between the partial-tile stores and the arrival
+atomic, the atomic a release at GPU scope, a bar.sync before the reduction's loads); the
+interpreter runs programs one after another and can never catch a missing barrier.
+tests/bench/test_aot_check.py runs that check in CI (no GPU needed).
 """
 
 from __future__ import annotations
@@ -22,23 +28,37 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from importlib import import_module
 from pathlib import Path
 from typing import Any
 
-os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU, not the interpreter
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+# The kernel modules, imported by load_kernels() (not at import, so a test can import this
+# file's PTX checks into a process whose kernels run under the interpreter).
+activation: Any = None
+awq_gemm: Any = None
+int8_gemm: Any = None
+paged_attention: Any = None
+rmsnorm: Any = None
+rotary_kv: Any = None
 
-from importlib import import_module  # noqa: E402
 
-# import_module, not `from localllm.kernels import ...`: the package re-exports functions
-# named like their modules.
-activation, awq_gemm, int8_gemm, paged_attention, rmsnorm, rotary_kv = (
-    import_module(f"localllm.kernels.{m}")
-    for m in ("activation", "awq_gemm", "int8_gemm", "paged_attention", "rmsnorm", "rotary_kv")
-)
+def load_kernels() -> None:
+    """Imports the kernel modules for the real compiler: TRITON_INTERPRET must be unset when
+    their ``@triton.jit`` decorators run, so this must be the process's first import of them."""
+    global activation, awq_gemm, int8_gemm, paged_attention, rmsnorm, rotary_kv
+    if os.environ.get("TRITON_INTERPRET") == "1" and "localllm.kernels._triton" in sys.modules:
+        raise RuntimeError("the kernels were imported under TRITON_INTERPRET=1: run aot_check in its own process")
+    os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU, not the interpreter
+    # import_module, not `from localllm.kernels import ...`: the package re-exports functions
+    # named like their modules.
+    activation, awq_gemm, int8_gemm, paged_attention, rmsnorm, rotary_kv = (
+        import_module(f"localllm.kernels.{m}")
+        for m in ("activation", "awq_gemm", "int8_gemm", "paged_attention", "rmsnorm", "rotary_kv")
+    )
 
 # Shared memory per block that a kernel may use (opt-in maximum), by SM version.
 SMEM_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
@@ -186,19 +206,52 @@ def ptxas_stats(ptx: str, arch: int) -> dict[str, int]:
     return stats
 
 
+_BARRIER = re.compile(r"^\s*(?:@!?%p\w+\s+)?(?:bar\.sync|barrier\.sync|barrier\.cta\.sync|bar\.cta\.sync)\b")
+_ATOM_ADD = re.compile(r"\batom\.global\.(?P<quals>[\w.]*?)\.?add\.[us]32\b")
+
+
+def splitk_order(ptx: str) -> str:
+    """Checks the ordering the split-K "last program reduces" protocol (``split_k_sum``) needs
+    in the compiled PTX; "ok", or what is wrong. Every thread stores a slice of the partial
+    tile, one thread counts the arrival (``atom...add``): a CTA barrier must lie between the
+    last global store before the atom and the atom, the atom must release at GPU (or system)
+    scope, and a barrier must follow it before the reduction's first global load (the other
+    threads learn the count through shared memory behind it)."""
+    lines = ptx.splitlines()
+    atoms = [i for i, ln in enumerate(lines) if _ATOM_ADD.search(ln)]
+    if not atoms:
+        return "no atom.global...add in the PTX"
+    i = atoms[0]
+    quals = _ATOM_ADD.search(lines[i]).group("quals").split(".")  # type: ignore[union-attr]
+    stores = [j for j in range(i) if "st.global" in lines[j]]
+    if not stores:
+        return "no st.global before the atom"
+    if not any(_BARRIER.match(lines[j]) for j in range(stores[-1] + 1, i)):
+        return f"no bar.sync between the last st.global (line {stores[-1] + 1}) and the atom (line {i + 1})"
+    if not ({"acq_rel", "release"} & set(quals)) or not ({"gpu", "sys"} & set(quals)):
+        return f"the atom is not a release at gpu scope: {lines[i].strip()}"
+    loads = [j for j in range(i + 1, len(lines)) if "ld.global" in lines[j]]
+    if loads and not any(_BARRIER.match(lines[j]) for j in range(i + 1, loads[0])):
+        return f"no bar.sync between the atom (line {i + 1}) and the next ld.global (line {loads[0] + 1})"
+    return "ok"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", default="90,89,80", help="comma list of SM versions")
     ap.add_argument("--only", default=",".join(GROUPS), help=f"comma list of {list(GROUPS)}")
-    ap.add_argument("--match", default="", help="only cases whose name contains this")
+    ap.add_argument("--match", default="", help="only cases whose name contains one of these (comma list)")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--ptx-dir", default=None, help="write each case's PTX here")
     args = ap.parse_args()
+    load_kernels()
+    matches = args.match.split(",")
     results: list[dict[str, Any]] = []
     failures = 0
     for arch in (int(a) for a in args.arch.split(",")):
         for group in args.only.split(","):
             for name, fn, types, cx, opts in GROUPS[group](arch):
-                if args.match not in name:
+                if not any(m in name for m in matches):
                     continue
                 t0 = time.monotonic()
                 row: dict[str, Any] = {"arch": arch, "kernel": fn.__name__, "case": name}
@@ -213,6 +266,13 @@ def main() -> int:
                     row["ptx_cvt_f_from_int"] = len(re.findall(r"cvt\.rn\.f(?:16|32)\.[su](?:8|16|32)", ptx))
                     row["mma"] = "wgmma" if "wgmma" in ptx else ("mma" if "mma.sync" in ptx else "none")
                     ok = row["smem_ok"] and row.get("spill_store_bytes", 0) == 0
+                    if cx.get("SPLIT_K", 1) > 1:  # the last-program-reduces protocol is compiled in
+                        row["splitk_order"] = splitk_order(ptx)
+                        ok = ok and row["splitk_order"] == "ok"
+                    if args.ptx_dir:
+                        Path(args.ptx_dir).mkdir(parents=True, exist_ok=True)
+                        slug = re.sub(r"[^A-Za-z0-9]+", "_", f"sm{arch} {name}").strip("_")
+                        (Path(args.ptx_dir) / f"{slug}.ptx").write_text(ptx)
                 except Exception as e:  # noqa: BLE001 - report every failing case
                     row["error"] = f"{type(e).__name__}: {str(e)[-1500:]}"
                     ok = False
@@ -220,11 +280,13 @@ def main() -> int:
                 failures += not ok
                 results.append(row)
                 flag = "ok " if ok else "BAD"
-                detail = row.get("error") or {k: row.get(k) for k in ("registers", "spill_store_bytes", "shared_bytes", "mma")}
+                detail = row.get("error") or {k: row[k] for k in ("registers", "spill_store_bytes", "shared_bytes", "mma",
+                                                                 "splitk_order") if k in row}
                 print(f"{flag} sm{arch} {name}: {detail}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
-    print(f"{len(results) - failures}/{len(results)} compiled cleanly (no error, no spills, shared memory fits)")
+    print(f"{len(results) - failures}/{len(results)} compiled cleanly (no error, no spills, shared memory fits, "
+          "split-K stores ordered before the arrival atomic)")
     return 1 if failures else 0
 
 

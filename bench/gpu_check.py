@@ -1,18 +1,31 @@
 #!/usr/bin/env python
-"""One GPU check for localllm's kernels and engine, sized for under 5 minutes on an H200.
+"""One GPU check for localllm's kernels and engine, sized for one device call (10 minutes).
 
-    python bench/gpu_check.py               # everything, results in $OUT/gpu_check.json
-    python bench/gpu_check.py --dry-run     # prints the plan; on a CPU-only machine says so
+The single call, on the lent H200 (the device tool's ``run``; the image lacks platformdirs,
+so its wheel travels in ``.whl``, see docs/kernels.md, "GPU check"):
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+      && export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 \
+      && python3 bench/gpu_check.py --only env,bandwidth,kernels,tests,e2e --budget 500
+
+It ends inside 9 minutes: sections stop starting work when their share of ``--budget`` is
+spent, and a watchdog ends the run 30 s past the budget with the JSON saved. The JSON
+(``$OUT/gpu_check.json``) is rewritten after every case and section, so a run cut short still
+returns every figure it measured.
+
+    python bench/gpu_check.py --dry-run     # imports all a run needs, prints and saves the
+                                            # plan; exit 1 names what would not import
     python bench/gpu_check.py --only kernels,e2e --e2e-quants rtn4 --budget 200
     python bench/gpu_check.py --smoke       # CPU: tiny shapes under TRITON_INTERPRET=1, to
                                             # exercise this script's own code paths
 
-Cold, the kernels section spends most of its time compiling and autotuning (results are
-cached on disk, so a second run on the same machine is much faster). If one run does not fit,
-split it: ``--only env,bandwidth,kernels``, then ``--only tests``, then ``--only e2e``.
+Cold, the kernels section spends most of its time compiling and autotuning (autotune picks
+are saved in localllm's compiled cache per GPU, torch, triton and kernel source, so a second
+run on the same machine is faster). To go further than one call allows, split it:
+``--only env,bandwidth,kernels``, then ``--only tests``, then ``--only e2e``.
 
 Sections (each guarded: a failure is recorded in the JSON and the next section still runs;
-the JSON is rewritten after every section, so a killed run keeps what it measured):
+the JSON is rewritten after every case, so a killed run keeps what it measured):
 - env: versions, device, compute capability, SM count.
 - bandwidth: peak HBM bandwidth from a large device-to-device copy (read + write bytes).
 - kernels: every Triton kernel against torch eager / SDPA / cuBLAS and against the roofline
@@ -38,6 +51,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -52,20 +66,23 @@ SECTIONS = ("env", "bandwidth", "kernels", "tests", "e2e")
 
 
 class Report:
-    """The JSON document; saved after every section."""
+    """The JSON document, rewritten (atomically) after every case and section, so a run cut
+    short keeps what it measured. One lock: the watchdog thread saves it too."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.data: dict[str, Any] = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "sections": {}}
+        self.lock = threading.RLock()
 
     def section(self, name: str) -> dict[str, Any]:
         return self.data["sections"].setdefault(name, {})
 
     def save(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data, indent=2, default=str))
-        tmp.replace(self.path)
+        with self.lock:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.data, indent=2, default=str))
+            tmp.replace(self.path)
 
 
 class Deadline:
@@ -74,6 +91,12 @@ class Deadline:
 
     def left(self) -> float:
         return self.end - time.monotonic()
+
+
+# Set by main: the run's report (each case saves it) and when the kernels section stops
+# starting cases, so the sections after it keep their share of the budget.
+_REPORT: Report | None = None
+_CASES_UNTIL: Deadline | None = None
 
 
 def guarded(report: Report, name: str, fn: Callable[[dict[str, Any]], None]) -> None:
@@ -94,7 +117,12 @@ def guarded(report: Report, name: str, fn: Callable[[dict[str, Any]], None]) -> 
 
 
 def case(results: dict[str, Any], name: str, fn: Callable[[], dict[str, Any]]) -> None:
-    """One benchmark case inside a section: its failure is recorded and the section goes on."""
+    """One benchmark case inside a section: its failure is recorded and the section goes on;
+    once the section's share of the budget is spent, the case is recorded as skipped."""
+    if _CASES_UNTIL is not None and _CASES_UNTIL.left() <= 0:
+        results[name] = {"skipped": "the kernels section's share of --budget is spent"}
+        print(f"   {name}: skipped (budget)", flush=True)
+        return
     try:
         results[name] = fn()
         summary = {k: v for k, v in results[name].items() if k in ("us", "frac_of_peak_bw", "tflops", "speedup")}
@@ -102,6 +130,30 @@ def case(results: dict[str, Any], name: str, fn: Callable[[], dict[str, Any]]) -
     except Exception as e:  # noqa: BLE001
         results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
         print(f"   {name} failed: {results[name]['error']}", flush=True)
+    if _REPORT is not None:
+        _REPORT.save()
+
+
+def start_watchdog(report: Report, seconds: float) -> threading.Timer:
+    """Past ``seconds`` (the budget plus a grace), saves the report with what it has and ends
+    the process: one case that hangs (a compile, a capture) must not eat the device call's
+    time and with it the figures already measured."""
+
+    def fire() -> None:
+        report.data["killed"] = f"the watchdog ended the run {seconds:.0f} s after its start (--budget + grace)"
+        print(f"gpu_check: {report.data['killed']}; {report.path} has what was measured", flush=True)
+        for _ in range(3):  # the main thread may be mid-update of a dict
+            try:
+                report.save()
+                break
+            except RuntimeError:
+                time.sleep(0.05)
+        os._exit(3)
+
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 # --- timing ----------------------------------------------------------------------------------------
@@ -718,17 +770,27 @@ def ensure_package() -> str:
     """``localllm.kernels`` maps to kernels/ only through the package install; install the
     checkout in editable mode when the machine has not, and as a last resort alias the
     module (in this process, and through a sitecustomize for the pytest subprocess)."""
-    sys.path.insert(0, str(REPO))
-    try:
-        import localllm.kernels  # noqa: F401
+    import importlib.util
 
+    sys.path.insert(0, str(REPO))
+
+    def found() -> bool:
+        # whether the package maps, not whether its dependencies import (check_imports says that)
+        try:
+            return importlib.util.find_spec("localllm.kernels") is not None
+        except ImportError:
+            return False
+
+    if found():
         return "importable"
-    except ImportError:
-        pass
-    proc = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "-e", str(REPO)],
-        capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--no-build-isolation", "-e", str(REPO)],
+            capture_output=True, text=True, timeout=90,
+        )  # fmt: skip
+        pip_error = proc.stderr[-300:]
+    except (OSError, subprocess.TimeoutExpired) as e:
+        pip_error = f"{type(e).__name__}: {e}"
     import importlib
 
     importlib.invalidate_caches()
@@ -738,12 +800,8 @@ def ensure_package() -> str:
 
     for d in site.getsitepackages():  # pick up the editable finder's .pth without a restart
         site.addsitedir(d)
-    try:
-        import localllm.kernels  # noqa: F401, F811
-
+    if found():
         return "installed (pip -e)"
-    except ImportError:
-        pass
     code = _ALIAS.format(init=str(REPO / "kernels" / "__init__.py"), pkg=str(REPO / "kernels"))
     alias_dir = Path(os.environ.get("TMPDIR", "/tmp")) / "localllm_gpu_check" / "alias"
     alias_dir.mkdir(parents=True, exist_ok=True)
@@ -752,20 +810,72 @@ def ensure_package() -> str:
     exec(compile(code, "localllm_alias", "exec"), {})
     import localllm.kernels  # noqa: F401, F811
 
-    return f"aliased (pip -e failed: {proc.stderr[-300:]})"
+    return f"aliased (pip -e failed: {pip_error})"
+
+
+# What the image of the lent H200 lacks that a run imports (the device tool's KINDS.md lists
+# what it has): carry these as wheels (docs/kernels.md, "GPU check", says how).
+CARRY = ("platformdirs",)
+# Every module a full run imports; --dry-run imports them all, so a missing one shows up here
+# rather than after minutes on the GPU. transformers is optional (the HF comparison).
+RUN_IMPORTS = (
+    "torch", "triton", "numpy", "safetensors.torch", "tokenizers", "jinja2", "psutil", "pytest",
+    "localllm.kernels", "localllm.kernels._triton", "localllm.kernels.activation", "localllm.kernels.awq_gemm",
+    "localllm.kernels.fp8_gemm", "localllm.kernels.int8_gemm", "localllm.kernels.paged_attention",
+    "localllm.kernels.rmsnorm", "localllm.kernels.rotary_kv", "localllm.kernels.tuning", "localllm",
+    "localllm.api", "localllm.engine.engine",
+)  # fmt: skip
+OPTIONAL_IMPORTS = ("transformers",)
+
+
+def package_or_error() -> str:
+    """``ensure_package()``, or why it failed: the sections that need no localllm still run."""
+    try:
+        return ensure_package()
+    except Exception as e:  # noqa: BLE001 - recorded; the sections report their own failures
+        return f"failed: {type(e).__name__}: {e}"
+
+
+def check_imports() -> dict[str, str]:
+    """"ok" or the error, for every module a run imports."""
+    import importlib
+
+    found: dict[str, str] = {}
+    for name in RUN_IMPORTS + OPTIONAL_IMPORTS:
+        try:
+            importlib.import_module(name)
+            found[name] = "ok"
+        except Exception as e:  # noqa: BLE001 - a broken install is as fatal as a missing one
+            found[name] = f"{type(e).__name__}: {e}"
+    return found
+
+
+def budget_plan(sections: list[str], budget: float) -> dict[str, float]:
+    """Seconds each section may start work in, in order; a section gets what the earlier ones
+    left, less what the later ones are promised. e2e needs ~40 s per quantization of the
+    8-layer model (load, tune, capture, time), the kernel tests ~2 minutes on a warm cache."""
+    promised = {"env": 5.0, "bandwidth": 10.0, "kernels": 0.0, "tests": 120.0, "e2e": 200.0}
+    plan = {s: promised[s] for s in sections}
+    # a small --budget shrinks every promise alike, so the kernels keep at least 30% of it
+    scale = min(1.0, 0.7 * budget / max(sum(plan.values()), 1.0))
+    return {s: round(v * scale, 1) for s, v in plan.items()}
 
 
 def main() -> int:
+    global _REPORT, _CASES_UNTIL
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dry-run", action="store_true", help="print the plan and exit")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="import everything a run needs, print the plan, write it to the JSON, measure nothing")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, Triton interpreter")
     ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma list of {SECTIONS}")
-    ap.add_argument("--budget", type=float, default=285.0, help="seconds for the whole run")
+    ap.add_argument("--budget", type=float, default=500.0,
+                    help="seconds for the whole run (a watchdog ends it 30 s past this, JSON saved)")
     ap.add_argument("--reps", type=int, default=30, help="timed repetitions per case")
-    ap.add_argument("--e2e-quants", default="none,rtn4,fp8,int8,kv-fp8,no-graphs",
-                    help="quant methods for the e2e runs (rtn4 = AWQ format, no calibration), and the"
-                         " bf16 variants kv-fp8 (FP8 KV cache) and no-graphs (CUDA graphs off)")
-    ap.add_argument("--e2e-layers", type=int, default=32, help="decoder layers of the 8B-shaped model")
+    ap.add_argument("--e2e-quants", default="rtn4,none,fp8,int8,kv-fp8,no-graphs",
+                    help="quant methods for the e2e runs, most wanted first (rtn4 = AWQ format, no calibration),"
+                         " and the bf16 variants kv-fp8 (FP8 KV cache) and no-graphs (CUDA graphs off)")
+    ap.add_argument("--e2e-layers", type=int, default=8,
+                    help="decoder layers of the 8B-shaped model (8: fits the budget; the roofline counts them)")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers comparison")
     ap.add_argument("--out", default=None, help="JSON path (default $OUT/gpu_check.json or ./gpu_check.json)")
     args = ap.parse_args()
@@ -779,17 +889,36 @@ def main() -> int:
 
     out_path = Path(args.out) if args.out else Path(os.environ.get("OUT", ".")) / "gpu_check.json"
     sections = [s.strip() for s in args.only.split(",") if s.strip()]
+    unknown = [s for s in sections if s not in SECTIONS]
+    if unknown:
+        print(f"gpu_check: unknown section(s) {unknown} in --only; choose from {list(SECTIONS)}", file=sys.stderr)
+        return 2
     has_gpu = torch.cuda.is_available()
     # The plan is what a run would do; on a machine without a GPU, what it would do on one.
     device = "cpu" if args.smoke else "cuda"
     plan = {"device": device, "sections": sections, "budget_s": args.budget, "out": str(out_path),
-            "e2e_quants": args.e2e_quants, "e2e_layers": args.e2e_layers}  # fmt: skip
+            "e2e_quants": args.e2e_quants, "e2e_layers": args.e2e_layers,
+            "reserved_s": budget_plan(sections, args.budget)}  # fmt: skip
     no_gpu = not has_gpu and not args.smoke
+    report = Report(out_path)
+    report.data["plan"] = plan
     if args.dry_run:
+        report.data["package"] = package_or_error()
+        imports = check_imports()
+        missing = [m for m in RUN_IMPORTS if imports[m] != "ok"]
+        report.data["dry_run"] = {"imports": imports, "missing": missing, "gpu": has_gpu}
+        report.save()
         print("gpu_check plan:", json.dumps(plan, indent=2))
+        for m in missing:
+            print(f"gpu_check: cannot import {m}: {imports[m]}")
+        if missing:
+            print(f"gpu_check: a run would fail; carry the missing packages as wheels ({', '.join(CARRY)} at least:"
+                  " docs/kernels.md, 'GPU check')")  # fmt: skip
+            return 1
         if no_gpu:
             print("gpu_check: no GPU here (torch.cuda.is_available() is False): a real run would measure "
                   "nothing; run it on a GPU machine, or use --smoke to exercise the script on CPU.")
+        print(f"gpu_check: dry run ok ({len(RUN_IMPORTS)} modules import); wrote {out_path}")
         return 0
     if no_gpu:
         print("gpu_check: no GPU present (torch.cuda.is_available() is False); nothing to measure. "
@@ -797,11 +926,16 @@ def main() -> int:
         return 0
 
     deadline = Deadline(args.budget)
-    report = Report(out_path)
-    report.data["plan"] = plan
-    report.data["package"] = ensure_package()
+    start_watchdog(report, args.budget + 30)
+    _REPORT = report
+    reserved = plan["reserved_s"]
+    report.data["package"] = package_or_error()
     report.save()
     peak_bw = 4.8e12  # replaced by the measurement when the bandwidth section runs
+
+    def later(after: str) -> float:
+        """Seconds promised to the sections after ``after``."""
+        return sum(v for s, v in reserved.items() if sections.index(s) > sections.index(after))
 
     if "env" in sections:
         guarded(report, "env", lambda o: section_env(o, torch, device))
@@ -813,14 +947,14 @@ def main() -> int:
 
         guarded(report, "bandwidth", bw)
     if "kernels" in sections:
+        _CASES_UNTIL = Deadline(deadline.left() - later("kernels"))
         guarded(report, "kernels", lambda o: section_kernels(o, torch, device, args.smoke, peak_bw, args.reps))
+        _CASES_UNTIL = None
     if "tests" in sections:
         if args.smoke:
             report.section("tests")["skipped"] = "smoke mode: run `pytest tests/kernels` directly"
         else:
-            # Keep ~90 s for the end-to-end runs when they are requested.
-            reserve = 90 if "e2e" in sections else 5
-            timeout = max(30.0, min(150.0, deadline.left() - reserve))
+            timeout = max(30.0, min(150.0, deadline.left() - later("tests")))
             guarded(report, "tests", lambda o: section_tests(o, timeout))
     if "e2e" in sections:
 

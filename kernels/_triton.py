@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from localllm.kernels import tuning
+
 # Before Triton is imported: the interpreter is chosen when each @triton.jit decorator runs.
 if os.environ.get("LOCALLLM_TRITON_ON_CPU") == "1":
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -170,9 +172,13 @@ def configs_for(t: torch.Tensor, configs: Sequence[Config]) -> list[Config]:
 
 
 def launch_configs(configs: Sequence[Config]) -> list[Config]:
-    """Autotuning with more than one config needs a GPU driver, so the interpreter gets the
-    first (smallest-footprint) config only."""
-    return list(configs[:1]) if INTERPRET else list(configs)
+    """Timing configs needs a GPU, so the interpreter gets the first (smallest-footprint)
+    config only; a rehearsal gets the first two, "timed" by one run each
+    (``_interpreted_bench``), so the autotuner's bookkeeping runs as on a GPU: shape keys,
+    the on-disk choices (``tuning``), the progress line."""
+    if not INTERPRET:
+        return list(configs)
+    return list(configs[: 2 if REHEARSAL else 1])
 
 
 def _quick_bench(kernel_call: Callable[[], Any], quantiles: Any) -> Any:
@@ -183,8 +189,31 @@ def _quick_bench(kernel_call: Callable[[], Any], quantiles: Any) -> Any:
     return do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
 
 
+def _interpreted_bench(kernel_call: Callable[[], Any], quantiles: Any) -> list[float]:
+    """One run (it must not fail), timed by the wall clock: under the interpreter the figure
+    means nothing, and only decides between configs that all compute the same result."""
+    import time
+
+    t0 = time.perf_counter()
+    kernel_call()
+    ms = (time.perf_counter() - t0) * 1e3
+    return [ms] * (len(quantiles) if quantiles else 1)
+
+
+def tuning_identity() -> tuning.Identity:
+    """What the choices measured here are valid for: the current CUDA device's name and
+    compute capability; a rehearsal's own name (its choices mean nothing on a GPU)."""
+    if torch.cuda.is_available() and not INTERPRET:
+        index = torch.cuda.current_device()
+        major, minor, _ = _device_props(index)
+        return torch.cuda.get_device_name(index), major, minor
+    return "rehearsal (Triton interpreter)", *REHEARSAL_CAPABILITY
+
+
 def make_autotuner(fn: Any, configs: Sequence[Config], key: list[str], even_k: bool = True) -> Any:
-    """Wraps a jitted kernel in ``triton.autotune``; results persist on disk where supported.
+    """Wraps a jitted kernel in ``triton.autotune`` whose choices persist in localllm's
+    compiled cache per GPU, torch, Triton and kernel source (``tuning.PersistentConfigs``):
+    only the first start on a machine tunes, and says so through ``tuning.reporting``.
 
     ``even_k`` adds the GEMM kernels' EVEN_K constexpr, derived from K and each config's
     BLOCK_K (so a caller never passes it to the tuned kernel).
@@ -192,15 +221,14 @@ def make_autotuner(fn: Any, configs: Sequence[Config], key: list[str], even_k: b
     kernel = fn
     if even_k:
         kernel = triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0})(fn)
-    kwargs: dict[str, Any] = {
-        "configs": [c.to_triton() for c in launch_configs(configs)],
-        "key": key,
-        "do_bench": _quick_bench,
-    }
-    try:
-        return triton.autotune(cache_results=True, **kwargs)(kernel)
-    except TypeError:  # pragma: no cover - triton < 3.2 has no cache_results
-        return triton.autotune(**kwargs)(kernel)
+    configs_t = [c.to_triton() for c in launch_configs(configs)]
+    tuner = triton.autotune(configs=configs_t, key=key, do_bench=_interpreted_bench if INTERPRET else _quick_bench)(
+        kernel
+    )
+    # Triton's own cache_results would keep them too, but keyed by architecture (an RTX 4090
+    # and an L40 share sm89) and outside our cache folder: one store, ours.
+    tuner.cache = tuning.PersistentConfigs(getattr(fn, "__name__", str(fn)), configs_t, tuning_identity)
+    return tuner
 
 
 # FP8 scales given as python floats become 1-element device tensors once, so a call under
@@ -247,26 +275,50 @@ def gemm_backend_choice(key: tuple[Any, ...], candidates: dict[str, Callable[[],
     The first candidate is the kernel; it is also the answer while a CUDA graph is being
     captured (timing would break the capture), under the interpreter (timing it means nothing,
     and a rehearsal is there to run the kernel) and when LOCALLLM_GEMM_BACKEND=triton. Every
-    other candidate is a torch path; LOCALLLM_GEMM_BACKEND=torch picks the last one.
+    other candidate is a torch path; LOCALLLM_GEMM_BACKEND=torch picks the last one. A GPU's
+    measurements persist (``tuning``): a later start on that GPU and torch measures nothing.
     """
     names = list(candidates)
     if _FORCED == "torch":
         return names[-1]
-    if _FORCED == "triton" or INTERPRET:
+    if _FORCED == "triton":
         return names[0]
     hit = _CHOICES.get(key)
     if hit is not None:
         return hit
+    if INTERPRET:  # nothing to measure; recorded all the same, so a rehearsal shows which shapes a start decides
+        _CHOICES[key] = names[0]
+        return names[0]
+    saved = tuning.store(tuning_identity()).gemm.get(tuning.key_text(key))
+    if saved in candidates:  # measured by an earlier start on this GPU and torch
+        _CHOICES[key] = saved
+        return saved
     if torch.cuda.is_current_stream_capturing():
         return names[0]
+    tuning.note_tuning()
     times: dict[str, float] = {}
+    out_of_memory = False
     for name, fn in candidates.items():
         try:
             times[name] = _time_ms(fn)
+        except torch.OutOfMemoryError:
+            # A candidate (or the kernel's autotuning) that does not fit beside the KV cache is
+            # not chosen now, and the choice is not saved: with memory free it may win.
+            out_of_memory = True
+            times[name] = float("inf")
+            torch.cuda.empty_cache()
         except Exception:  # noqa: BLE001 - a candidate the device cannot run is simply not chosen
             times[name] = float("inf")
+    if out_of_memory and min(times.values()) == float("inf"):
+        from localllm.errors import LocalLLMError
+
+        raise LocalLLMError(
+            f"out of GPU memory choosing the matmul kernel for {key[0]} (M bucket, N, K = {key[1:4]}): close"
+            " programs that hold VRAM, or pass a shorter --context or a lower --gpu-memory-utilization")
     best = min(times, key=times.__getitem__)
     _CHOICES[key] = best
+    if not out_of_memory:
+        tuning.store(tuning_identity()).put_gemm(tuning.key_text(key), best)
     return best
 
 
@@ -357,11 +409,26 @@ def split_k_sum(
     """Publishes this split's partial tile to the workspace and counts arrivals on the tile's
     lock. Returns (sum over all splits, True) to the last split to arrive, which then owns the
     epilogue, and (its own partial, False) to the others. Sums stay in acc's type, so int32
-    stays exact. The last split resets the lock for the next launch."""
+    stays exact. The last split resets the lock for the next launch.
+
+    Ordering (the interpreter runs programs one after another, so only a GPU can break it):
+    every thread of the program stores a slice of the partial tile, but the scalar atomic is
+    issued by one thread. So (1) ``debug_barrier`` (bar.sync: CTA-scope ordering of all the
+    program's stores before it) precedes the atomic, and (2) the atomic is a release at GPU
+    scope (``acq_rel``, scope "gpu"), which is cumulative: it publishes the whole program's
+    stores, not only its own thread's, to the program that acquires the counter. On the
+    reducing side the acquire is again one thread's; the arrival count reaches the others
+    through shared memory behind a bar.sync that Triton emits, so their workspace loads come
+    after the acquire. The workspace loads use ``.cg`` (L2, not the SM's non-coherent L1).
+    This is CUTLASS's semaphore pattern (syncthreads, then one thread's release). Without (1),
+    a thread that had not yet stored its slice could be overtaken by the counter, and the last
+    program would sum a stale partial: a result wrong now and then, under load.
+    bench/aot_check.py checks the compiled PTX for bar.sync between the stores and the atom."""
     offs_ws = offs_m[:, None] * N + offs_n[None, :]
     tl.store(ws_ptr + pid_k * M * N + offs_ws, acc, mask=mask)
     tile = pid_m * tl.cdiv(N, BLOCK_N) + pid_n
-    arrived = tl.atomic_add(locks_ptr + tile, 1, sem="acq_rel")
+    tl.debug_barrier()  # every thread's partial is stored before the one thread counts arrival
+    arrived = tl.atomic_add(locks_ptr + tile, 1, sem="acq_rel", scope="gpu")
     last = arrived == SPLIT_K - 1
     if last:
         acc = tl.load(ws_ptr + offs_ws, mask=mask, other=0, cache_modifier=".cg")

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from localllm.engine.engine import EngineConfig, LLMEngine
 from localllm.engine.sequence import SamplingParams
@@ -281,3 +282,113 @@ def test_the_environment_switch_rehearses_a_cli_run(tiny_models: dict[str, Path]
                             cwd=REPO, env={**env, "LOCALLLM_TRITON_ON_CPU": "1"}, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert json.loads(result.stdout)["output_token_ids"] == want
+
+
+# ---- graph-capture safety, tuning progress and the tuning cache ----
+
+
+class NoHostSync(TorchDispatchMode):
+    """Rejects every op that would make a GPU wait for the host or the host for the GPU, which
+    CUDA-graph capture forbids (or silently bakes in): reading a value (``.item()``, ``bool(t)``,
+    ``int(t)``, ``.tolist()``: ``_local_scalar_dense``), ops whose output shape depends on the
+    data (``nonzero``, ``masked_select``, ``unique``, boolean-mask indexing), whole-tensor
+    comparisons answered on the host (``equal``, ``is_nonzero``), and tensors made from host
+    data or copied across devices (``lift_fresh``: ``torch.tensor(...)`` inside the forward is
+    a host-to-device copy on a GPU). On CPU all of these are cheap, which is why only this
+    check catches them before a GPU does."""
+
+    FORBIDDEN = {
+        torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
+        torch.ops.aten.masked_select.default, torch.ops.aten._unique2.default, torch.ops.aten.unique_dim.default,
+        torch.ops.aten.unique_consecutive.default, torch.ops.aten.is_nonzero.default, torch.ops.aten.equal.default,
+        torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default,
+        torch.ops.aten.repeat_interleave.Tensor, torch.ops.aten.bincount.default,
+    }  # fmt: skip
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        self.ops[str(func)] += 1
+        if func in self.FORBIDDEN:
+            raise AssertionError(f"host sync inside a graph bucket's forward: {func}")
+        if func in (torch.ops.aten.index.Tensor, torch.ops.aten.index_put_.default, torch.ops.aten.index_put.default):
+            if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None):
+                raise AssertionError(f"boolean-mask indexing (a nonzero) inside a graph bucket's forward: {func}")
+        if func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default):
+            devices = {a.device for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)}
+            target = kwargs.get("device")
+            if len(devices | ({torch.device(target)} if target is not None else set())) > 1:
+                raise AssertionError(f"a copy across devices inside a graph bucket's forward: {func}")
+        return func(*args, **kwargs)
+
+
+def test_no_host_sync_rejects_what_a_capture_cannot_hold() -> None:
+    x = torch.arange(6.0)
+    for bad in (lambda: x.sum().item(), lambda: x[x > 2], lambda: torch.nonzero(x), lambda: torch.tensor([1, 2]),
+                lambda: bool(x.any()), lambda: x.unique()):
+        with pytest.raises(AssertionError, match="graph bucket"), NoHostSync():
+            bad()
+    with NoHostSync() as mode:  # what a decode does: shape-static tensor ops
+        (x * 2).index_select(0, torch.zeros(2, dtype=torch.long)).softmax(0)
+    assert mode.ops
+
+
+def _autotuned_keys() -> set[tuple[Any, ...]]:
+    keys: set[tuple[Any, ...]] = set()
+    for mod in (awq_gemm_mod, int8_gemm_mod):
+        for name, tuner in mod._tuned.items():
+            keys |= {(mod.__name__, name, k) for k in dict.keys(tuner.cache)}
+    return keys
+
+
+def test_capture_warms_each_bucket_reports_progress_and_tunes_once_per_machine(
+    tiny_models: dict[str, Path], rehearse: Callable[[bool], None], monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    """``_capture_graphs`` in a rehearsal (AWQ: autotuned GEMVs, dispatcher GEMM choices): the
+    warm-up makes every shape-dependent choice, with "tuning kernels" and "capturing CUDA
+    graphs" progress each ending at N/N; each bucket's forward then runs again, as a capture
+    would, with no host sync and without adding a single autotune key or GEMM choice; and a
+    second start on the same cache folder tunes nothing (the picks come from disk)."""
+    from localllm.engine import model_runner
+    from localllm.kernels import tuning
+
+    rehearse(True)
+    # the tuning store in a fresh folder (not LOCALLLM_CACHE_DIR: the CPU kernels' build lives there too)
+    monkeypatch.setattr(tuning, "compiled_cache_dir", lambda: tmp_path)
+
+    def start() -> tuple[Any, list[tuple[str, int, int]]]:
+        # a new process: no autotuner, GEMM choice or store in memory yet
+        monkeypatch.setattr(awq_gemm_mod, "_tuned", {})
+        monkeypatch.setattr(_triton, "_CHOICES", {})
+        monkeypatch.setattr(tuning, "_stores", {})
+        runner = _engine(tiny_models["llama"], quant="awq", max_num_seqs=2).runner
+        calls: list[tuple[str, int, int]] = []
+        runner._capture_graphs(2, lambda stage, done, total: calls.append((stage, done, total)))
+        return runner, calls
+
+    runner, calls = start()
+    assert runner.buckets == [1, 2]
+    capture = [c for c in calls if c[0] == model_runner.CAPTURE_STAGE]
+    assert capture == [(model_runner.CAPTURE_STAGE, 0, 2), (model_runner.CAPTURE_STAGE, 1, 2),
+                       (model_runner.CAPTURE_STAGE, 2, 2)]  # fmt: skip
+    tuned = [c for c in calls if c[0] == model_runner.TUNING_STAGE]
+    assert tuned == [(model_runner.TUNING_STAGE, 0, 2), (model_runner.TUNING_STAGE, 1, 2),
+                     (model_runner.TUNING_STAGE, 2, 2)]  # both buckets tuned (their own M), once each
+    keys, choices = _autotuned_keys(), dict(_triton.gemm_choices())
+    assert keys and choices, "the AWQ decode made no shape-dependent choice"
+    assert {k[0] for k in choices} == {"awq"} and {k[1] for k in choices} == {1, 2}  # both buckets' M
+
+    with NoHostSync() as mode:
+        outs = {b: runner._decode_call(b).clone() for b in runner.buckets}
+    assert mode.ops["aten.embedding.default"] == 2  # each bucket's forward ran under the check
+    assert all(o.shape[0] == b and torch.isfinite(o).all() for b, o in outs.items())
+    assert _autotuned_keys() == keys and _triton.gemm_choices() == choices
+
+    assert len(list(tmp_path.glob("tuning/*.json"))) == 1
+    _, calls = start()
+    assert not [c for c in calls if c[0] == model_runner.TUNING_STAGE], calls
+    assert _autotuned_keys() == keys  # the same picks, read from the file

@@ -284,7 +284,7 @@ MultiFn pick_multi(int64_t g, int64_t d, std::integer_sequence<int, Gs...>) {  /
 // the slices merge by their max and sum of exp.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                           const at::Tensor& block_tables, double scale, int64_t max_q) {
+                           const at::Tensor& block_tables, double scale, int64_t max_q, int64_t max_splits) {
   check_cache(k_cache, "k_cache");
   check_cache(v_cache, "v_cache");
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "q must be fp32 [T, H, D]");
@@ -333,7 +333,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   // Slices of at least 4 blocks, enough of them that every thread gets ~4 items.
   const int64_t num_seqs = static_cast<int64_t>(item_seq.size());
   const int64_t want = (4 * threads + num_seqs * KVH - 1) / (num_seqs * KVH);
-  const int64_t splits = std::max<int64_t>(1, std::min(want, max_keys / (4 * block_size)));
+  // max_splits > 0 caps the slices: at 1 a row's reduction order depends on its own keys only,
+  // never on how many sequences share the batch or how long the longest is (--deterministic)
+  const int64_t adaptive = std::max<int64_t>(1, std::min(want, max_keys / (4 * block_size)));
+  const int64_t splits = max_splits > 0 ? std::min(adaptive, max_splits) : adaptive;
   const int64_t slice = (((max_keys + splits - 1) / splits + block_size - 1) / block_size) * block_size;
 
   // Partial results per (query token, KV head, slice): [.., G] max and sum, [.., G, D] accumulators.
@@ -1224,7 +1227,7 @@ std::vector<int64_t> bind_threads(at::IntArrayRef cpus) {
 TORCH_LIBRARY(localllm_cpu, m) {
   m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor seq_lens, "
-        "Tensor block_tables, float scale, int max_q) -> Tensor");
+        "Tensor block_tables, float scale, int max_q, int max_splits=0) -> Tensor");
   m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def("topk_indices(Tensor logits, int k) -> Tensor");
   m.def("sample_rows(Tensor logits, float[] temps, int[] top_ks, float[] top_ps, float[] min_ps, float[] u) -> Tensor");

@@ -1,9 +1,13 @@
 """Builds ``cpu_ops.cpp`` for the CPU at hand (``-march=native``) the first time it is needed,
 caches the library on disk and registers its ops as ``torch.ops.localllm_cpu.*``.
 
-The build takes ~30 s once per machine and torch version; later starts load the cached
-library in milliseconds. Without a C++ compiler (or with ``LOCALLLM_CPU_OPS=0``) ``load()``
-returns False after a one-line note, and callers keep the torch references.
+The build takes about a minute of g++ once per machine, torch version and source; later
+starts load the cached library in milliseconds, whichever install (venv, pipx) they run
+from. One process builds at a time (an flock in the cache; the others wait and say so), and
+a stopped or killed start takes its compiler down with it (see ``_WATCHED``). Without a C++
+compiler (``compiler()`` is the one answer to "can anything be compiled here", asked by the
+engine's torch.compile too) or with ``LOCALLLM_CPU_OPS=0``, ``load()`` returns False after
+one line, and callers keep the torch references.
 
 The cache lives in ``compiled_cache_dir()``, not under ``LOCALLLM_HOME``: the library is built
 for one CPU and one torch, so it must not travel with a portable model store, and tests that
@@ -15,7 +19,9 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -23,6 +29,11 @@ from pathlib import Path
 
 import platformdirs
 import torch
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock (and no build of these kernels either)
+    fcntl = None  # type: ignore[assignment]
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 _loaded: bool | None = None
@@ -55,47 +66,217 @@ FLAGS = (
 )  # fmt: skip
 
 
-def _library_path(cxx: str) -> Path:
-    parts = (SOURCE.read_text(), torch.__version__, cpu_signature(), cxx, *FLAGS)
+def compiler() -> str | None:
+    """The C++ compiler this machine has, or None: ``$CXX`` when it names a program that
+    exists (a missing one counts as none: the user pointed at nothing), else ``c++`` or
+    ``g++`` on the PATH. The one place that answers "can anything be compiled here": the
+    kernel build and the engine's torch.compile (Inductor also runs a C++ compiler on CPU)
+    both ask it, so neither starts a compile that cannot happen."""
+    cxx = os.environ.get("CXX", "").strip()
+    if cxx:
+        first, *rest = shlex.split(cxx)  # "ccache g++" is a compiler command too
+        found = shutil.which(first)
+        return shlex.join([found, *rest]) if found else None
+    return shutil.which("c++") or shutil.which("g++")
+
+
+# what a C++ compiler would give, in one line (docs/benchmarks.md, 2026-12-03: the default
+# model's single-stream decode, 2.2-2.6 tok/s on the torch path against 7.7-11.9 with the
+# C++ kernels alone; the compiled decode step adds more)
+NO_COMPILER = ("localllm: no C++ compiler (install g++ or set CXX): using the slower torch path;"
+               " with one, decode is ~{}x faster")
+COMPILER_SPEEDUP = 4
+_noted_no_compiler = False
+
+
+def can_compile() -> bool:
+    """Whether C++ can be compiled here (``compiler()``); without a compiler, says once per
+    process what one would give, so every caller that falls back shares one line."""
+    global _noted_no_compiler
+    if compiler() is not None:
+        return True
+    if not _noted_no_compiler:
+        _noted_no_compiler = True
+        print(NO_COMPILER.format(COMPILER_SPEEDUP), file=sys.stderr, flush=True)
+    return False
+
+
+def _library_path() -> Path:
+    """Where the library for this CPU, torch and source lives. The key holds only what changes
+    the binary's meaning: not the compiler's path or version (any compiler's build is as good,
+    and a cached one loads where the compiler is gone) and no install path (the library links
+    torch's libraries by name, not by where one install keeps them), so every install of
+    one version on this machine (a venv, pipx, an editable checkout) shares one build."""
+    abi = str(int(torch._C._GLIBCXX_USE_CXX11_ABI))
+    parts = (SOURCE.read_text(), torch.__version__, cpu_signature(), abi, *FLAGS)
     key = hashlib.sha256(b"\0".join(s.encode() for s in parts)).hexdigest()[:16]
     return compiled_cache_dir() / "cpu_ops" / key / "localllm_cpu_ops.so"
 
 
+# The compiler runs under this shell in a session of its own: the shell holds the read end of
+# a pipe whose write end only this process holds, so however this process ends (ctrl-c, a
+# SIGTERM that skips Python's cleanup, SIGKILL, a crash) the pipe closes, the watcher's read
+# returns and it kills the whole group: g++ and the cc1plus/as/ld it started (a compiler
+# killed alone leaves its children running). Non-interactive sh gives background jobs
+# /dev/null as stdin, hence the pipe kept on fd 3.
+_WATCHED = r"""exec 3<&0
+"$@" 3<&- </dev/null &
+c=$!
+(read -r _ <&3; kill -KILL 0) &
+w=$!
+exec 3<&-
+wait "$c"
+s=$?
+kill "$w" 2>/dev/null
+exit "$s"
+"""
+BUILD_PREFIX = ".build-"  # temp folders of builds in progress (or of killed ones)
+WAITING = "localllm: waiting for another localllm process building the CPU kernels"
+
+
 def _build(cxx: str, out: Path) -> None:
+    """Builds the library into ``out``, one process at a time: the first takes an flock on
+    ``out``'s folder (the kernel releases it when its holder dies, however it dies, so a
+    killed builder's lock is taken over at once) and the others wait on it with one line,
+    then find the library built. The holder first deletes the temp folders of builds that
+    were killed. The output appears by an atomic rename, never half-written."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with cache_lock(out.parent / ".lock", wait_message=WAITING):
+        if out.exists():  # built by the process we waited for
+            return
+        _remove_stale_builds(out.parent)
+        print("localllm: building CPU kernels for this CPU (first run only, about a minute)",
+              file=sys.stderr, flush=True)
+        tmp = Path(tempfile.mkdtemp(prefix=BUILD_PREFIX, dir=out.parent))
+        try:
+            tmp_lib = tmp / out.name
+            _run_compiler([*_compile_command(cxx), "-o", str(tmp_lib)], tmp / "stderr.txt")
+            os.replace(tmp_lib, out)  # atomic: a concurrent loader sees no half-written library
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _compile_command(cxx: str) -> list[str]:
     torch_dir = Path(torch.__file__).parent
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    cmd = [
-        cxx, *FLAGS,
+    # no -rpath to this install's torch: the library is loaded into a process that has
+    # already loaded libc10/libtorch_cpu, which the dynamic linker matches by name, and a
+    # path baked in would tie a shared build to one install
+    return [
+        *shlex.split(cxx), *FLAGS,
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         "-I", str(torch_dir / "include"), "-I", str(torch_dir / "include" / "torch" / "csrc" / "api" / "include"),
-        str(SOURCE), "-L", str(torch_dir / "lib"), "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_dir / 'lib'}",
+        str(SOURCE), "-L", str(torch_dir / "lib"), "-lc10", "-ltorch_cpu",
     ]  # fmt: skip
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        tmp_lib = Path(tmp) / out.name
-        proc = subprocess.run([*cmd, "-o", str(tmp_lib)], capture_output=True, text=True)
-        if proc.returncode != 0:
-            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            raise RuntimeError(f"{cxx} failed: {last}")
-        os.replace(tmp_lib, out)  # atomic: a concurrent start sees no half-written library
+
+
+def _run_compiler(cmd: list[str], log: Path) -> None:
+    """Runs ``cmd`` under the watcher (``_WATCHED``); raises RuntimeError with the compiler's
+    last line when it fails. On any exception here (KeyboardInterrupt included) the group is
+    killed before it propagates."""
+    with open(log, "w+") as err:
+        proc = subprocess.Popen(["sh", "-c", _WATCHED, "sh", *cmd], stdin=subprocess.PIPE, stdout=err,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = proc.wait()
+        except BaseException:
+            _kill_group(proc.pid)
+            proc.wait()
+            raise
+        finally:
+            assert proc.stdin is not None
+            proc.stdin.close()
+        if code != 0:
+            err.seek(0)
+            last = (err.read().strip().splitlines() or [f"exit status {code}"])[-1]
+            raise RuntimeError(f"{cmd[0]} failed: {last}")
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:  # already gone
+        pass
+
+
+class cache_lock:
+    """An exclusive flock on the file ``path`` for as long as the ``with`` block runs; prints
+    ``wait_message`` once if another process holds it. ``blocking=False``: ``held`` says
+    whether it was free. The kernel drops the lock when its holder exits, however it exits."""
+
+    def __init__(self, path: Path, wait_message: str | None = None, blocking: bool = True) -> None:
+        self.path = path
+        self.wait_message = wait_message
+        self.blocking = blocking
+        self.held = False
+        self._fd = -1
+
+    def __enter__(self) -> cache_lock:
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        if fcntl is None:
+            self.held = True
+            return self
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self.held = True
+        except BlockingIOError:
+            if self.blocking:
+                if self.wait_message:
+                    print(self.wait_message, file=sys.stderr, flush=True)
+                try:
+                    fcntl.flock(self._fd, fcntl.LOCK_EX)
+                except BaseException:  # ctrl-c while waiting: no __exit__ will close it
+                    os.close(self._fd)
+                    raise
+                self.held = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self._fd)  # closing the last descriptor releases the flock
+
+
+def _remove_stale_builds(folder: Path) -> None:
+    """Deletes the temp folders of builds that no longer run. Only the lock holder calls it:
+    a builder holds the lock from its temp folder's making to its deletion, so any temp
+    folder the holder finds belongs to a build that was killed."""
+    for tmp in folder.iterdir():
+        if tmp.is_dir() and tmp.name.startswith((BUILD_PREFIX, "tmp")):  # "tmp": builds before the lock
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _clean_after_killed_builds(folder: Path) -> None:
+    """At a start that finds the library built: takes the lock only if free (a build in
+    progress keeps its folder) and deletes what killed builds left."""
+    try:
+        if not any(p.name.startswith((BUILD_PREFIX, "tmp")) for p in folder.iterdir()):
+            return
+        with cache_lock(folder / ".lock", blocking=False) as lock:
+            if lock.held:
+                _remove_stale_builds(folder)
+    except OSError:  # a read-only cache: nothing to clean, nothing lost
+        pass
 
 
 def load() -> bool:
-    """True once ``torch.ops.localllm_cpu`` is usable in this process."""
+    """True once ``torch.ops.localllm_cpu`` is usable in this process. Builds the library the
+    first time on this machine (one process at a time; see ``_build``); without a compiler
+    and without a cached library, says so in one line (``can_compile``) and returns False."""
     global _loaded
     if _loaded is not None:
         return _loaded
     _loaded = False
     if os.environ.get("LOCALLLM_CPU_OPS", "1") == "0":
         return False
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or ""
-    lib = _library_path(cxx) if cxx else None
+    lib = _library_path()
     try:
-        if lib is None or not lib.exists():
-            if not cxx:
-                raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
-            print("localllm: building CPU kernels for this CPU (first run only, ~30 s)", file=sys.stderr, flush=True)
-            _build(cxx, lib)  # type: ignore[arg-type]
+        if lib.exists():
+            _clean_after_killed_builds(lib.parent)
+        else:
+            cxx = compiler()
+            if cxx is None:
+                can_compile()  # the one line: what a compiler would give
+                return False
+            _build(cxx, lib)
         torch.ops.load_library(str(lib))
     except (OSError, RuntimeError) as e:
         print(f"localllm: note: CPU kernels unavailable ({e}); using the slower torch path", file=sys.stderr)
@@ -105,11 +286,42 @@ def load() -> bool:
     return True
 
 
+def path_free_inductor_keys() -> None:
+    """Makes Inductor's on-disk cache keys independent of where torch is installed, so every
+    install of one torch version on this machine (a venv, pipx) shares its compiled graphs.
+
+    Inductor keys each compiled C++ file by its source and its compiler command line, and the
+    command line holds this install's torch folder (``-I .../torch/include``, ``-L .../lib``):
+    a second install found none of the first's builds, and loading a saved decode step there
+    compiled its C++ again (minutes for the real model). The headers and libraries at that
+    folder are the same for one torch version (the version is in the keys already), so the
+    folder is replaced by a placeholder in what is hashed; the compile itself still uses the
+    real paths. Idempotent."""
+    from torch._inductor import codecache
+
+    original = codecache.write
+    if getattr(original, "localllm_path_free", False):
+        return
+    # only torch's folder: the Python headers come from the base interpreter, the same path
+    # for every venv made from it (and a different interpreter is a different build anyway)
+    root = str(Path(torch.__file__).parent)
+
+    def write(
+        content: str | bytes, extension: str, extra: str = "", *args: object, **kwargs: object
+    ) -> tuple[str, str]:
+        extra = extra.replace(root, "<torch>")
+        return original(content, extension, extra, *args, **kwargs)  # type: ignore[arg-type]
+
+    write.localllm_path_free = True  # type: ignore[attr-defined]
+    write.__wrapped__ = original  # type: ignore[attr-defined]
+    codecache.write = write  # type: ignore[assignment]
+
+
 def _register_fakes() -> None:
     """Shapes for torch.compile, which traces through these ops without running them."""
 
     @torch.library.register_fake("localllm_cpu::paged_attention")
-    def _(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, max_q):  # type: ignore[no-untyped-def]
+    def _(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, max_q, max_splits=0):  # type: ignore[no-untyped-def]
         return torch.empty_like(q)
 
     if hasattr(torch.ops.localllm_cpu, "gguf_linear"):  # built on x86-64-v3 only

@@ -117,22 +117,28 @@ def paged_attention_cpu(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    max_inplace_q: int = CPU_INPLACE_MAX_Q,
+    max_splits: int = 0,
 ) -> torch.Tensor:
     """The CPU path for an fp32 cache once ``cpu_ops.load()`` succeeded: the C++ kernel reads
-    each short sequence's blocks where they lie; the remaining (long prefill) rows go through
-    ``_prefill_rows``. One custom op, so torch.compile sees one opaque call per layer."""
+    the blocks of each sequence with at most ``max_inplace_q`` new tokens where they lie (its
+    keys in at most ``max_splits`` slices; 0: as many as keep the threads busy); the remaining
+    (long prefill) rows go through ``_prefill_rows``. One custom op, so torch.compile sees one
+    opaque call per layer."""
+    max_inplace_q = min(max_inplace_q, q.shape[0])  # the kernel's scratch is sized by it
     out = torch.ops.localllm_cpu.paged_attention(
-        q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, CPU_INPLACE_MAX_Q
+        q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, max_inplace_q, max_splits
     )
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    long = (q_lens > CPU_INPLACE_MAX_Q).nonzero().flatten().tolist()
+    long = (q_lens > max_inplace_q).nonzero().flatten().tolist()
     if long:
         _prefill_rows(out, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, long)
     return out
 
 
 @paged_attention_cpu.register_fake
-def _(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale):  # type: ignore[no-untyped-def]
+def _(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, max_inplace_q=CPU_INPLACE_MAX_Q,  # type: ignore[no-untyped-def]
+      max_splits=0):
     return torch.empty_like(q)
 
 
@@ -546,18 +552,25 @@ def paged_attention(
     num_decodes: int = 0,
     k_scale: ScaleArg = None,
     v_scale: ScaleArg = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
+    """``batch_invariant`` (CPU): every row's numbers depend on its own sequence only. Every
+    prompt chunk takes the in-place C++ kernel (longer ones otherwise take SDPA, whose rows change
+    with the chunk's length) with its keys in one slice (otherwise the slices follow the batch's
+    size and longest context)."""
     if use_triton(q):
         return paged_attention_triton(
             q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, num_decodes,
             k_scale, v_scale,
         )  # fmt: skip
     if cpu_ops.usable(q, k_cache):
+        splits = 1 if batch_invariant else 0
         if num_decodes == q.shape[0]:  # all one-token rows: the C++ kernel alone, no Python around it
             return torch.ops.localllm_cpu.paged_attention(
-                q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, 1
+                q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, 1, splits
             )
-        return paged_attention_cpu(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
+        return paged_attention_cpu(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
+                                   q.shape[0] if batch_invariant else CPU_INPLACE_MAX_Q, splits)
     return paged_attention_ref(
         q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, num_decodes,
         k_scale, v_scale,

@@ -360,6 +360,9 @@ class Attention(nn.Module):
         # it moves every score of a query by the same q.k_offset, which softmax ignores, and
         # leaves smaller numbers to round.
         self.k_offset = torch.empty(0)
+        # CPU attention whose rows do not depend on the batch, at some speed: set by the
+        # deterministic mode (engine/batch_invariant.py)
+        self.batch_invariant = False
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, meta: AttentionMetadata
@@ -388,7 +391,7 @@ class Attention(nn.Module):
                                 self.k_scale, self.v_scale)
         o = paged_attention(
             q, self.k_cache, self.v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-            self.scale, meta.num_decodes, self.k_scale, self.v_scale,
+            self.scale, meta.num_decodes, self.k_scale, self.v_scale, self.batch_invariant,
         )
         return self.o_proj(o.reshape(T, self.q_size).to(x.dtype))
 

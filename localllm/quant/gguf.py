@@ -18,6 +18,7 @@ says so in the plan's reason line.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,7 +26,8 @@ import torch
 from torch import nn
 
 from localllm.errors import LocalLLMError
-from localllm.kernels import cpu_ops
+from localllm.kernels import cpu_ops, measured
+from localllm.models import forward_context
 from localllm.quant.linear import QuantLinear, fused_sizes, iter_linears, replace_module
 
 Q4_0, Q4_1, Q8_0 = 2, 3, 8  # GGMLQuantizationType values
@@ -99,6 +101,9 @@ class GGUFLinear(QuantLinear):
                 f"a GGUF linear needs in_features % 32 == 0 and out_features % 8 == 0, got {in_features}->{out_features}"
             )
         self.block_type = block_type
+        # rows of one prompt chunk from which the weight is expanded for a dense GEMM; the
+        # deterministic mode raises it past any chunk, so every row takes the integer kernel
+        self.dense_rows = DENSE_ROWS
         self._raw: torch.Tensor | None = None  # the file's blocks while shards arrive (CPU)
         tiles, nb = out_features // TILE, in_features // 32
         self.register_buffer("codes", torch.empty(tiles, nb, 256 if block_type == Q8_0 else 128, dtype=torch.uint8))
@@ -164,10 +169,40 @@ class GGUFLinear(QuantLinear):
         return (q * d + c).reshape(n, TILE, self.in_features)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] >= DENSE_ROWS:
-            dtype = torch.bfloat16 if cpu_ops.fast_bf16() else torch.float32
-            w = torch.ops.localllm_cpu.gguf_dequantize(self.codes, self.d, self.c, self.block_type, dtype)
-            return torch.nn.functional.linear(x.to(dtype), w)
+        # A row takes the dense GEMM only when its own prompt chunk is long: the integer
+        # kernel's rows do not depend on the batch, while the dense path rounds activations to
+        # bf16, so choosing by the whole batch's size changed greedy replies with the load
+        # (a decode beside a long prompt chunk, or short prompts packed into one step).
+        split = forward_context.row_split()
+        if split is None:
+            return self._dense(x) if x.shape[0] >= self.dense_rows else self._integer(x)
+        if max(split.chunk_lens, default=0) < self.dense_rows:
+            return self._integer(x)
+        w = self._dense_weight()
+        out = torch.empty(x.shape[0], self.out_features)  # fp32: the integer kernel's rows stay unrounded
+        start, short = 0, split.num_decodes  # rows [start, start + short) go to the integer kernel together
+        for n in split.chunk_lens:
+            if n < self.dense_rows:
+                short += n
+                continue
+            if short:
+                out[start : start + short] = self._integer(x[start : start + short])
+            start += short
+            out[start : start + n] = torch.nn.functional.linear(x[start : start + n].to(w.dtype), w)
+            start, short = start + n, 0
+        if short:
+            out[start : start + short] = self._integer(x[start : start + short])
+        return out
+
+    def _dense_weight(self) -> torch.Tensor:
+        dtype = torch.bfloat16 if cpu_ops.fast_bf16() else torch.float32
+        return torch.ops.localllm_cpu.gguf_dequantize(self.codes, self.d, self.c, self.block_type, dtype)
+
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        w = self._dense_weight()
+        return torch.nn.functional.linear(x.to(w.dtype), w)
+
+    def _integer(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.localllm_cpu.gguf_linear(x.float(), self.codes, self.d, self.c, self.block_type, ACT_LEVELS)
 
     def shard_state(self, rows: slice) -> dict[str, torch.Tensor]:
@@ -208,20 +243,36 @@ def plan_gguf_modules(model: nn.Module, block_types: dict[str, int], tied: bool)
     return raw, requantized
 
 
-_choice: dict[tuple[int, ...], str | None] = {}
-
-
 def measure_cpu_choice(block_types: dict[str, int]) -> str | None:
-    """Times the GGUF kernel against bf16 and fp32 ``F.linear`` on one 576x1536 matvec of this
-    CPU (8 distinct weights each, so they stream from memory as a model's do; ~50 ms once per
-    process). Returns the planner's reason line when the file's blocks win, else None."""
-    import time
-
+    """Whether the GGUF kernel runs this file's linears: the planner's reason line when it
+    does, else None (the planner then takes its bf16 or fp32 rung). Decided by timing the
+    kernel against bf16 and fp32 ``F.linear`` (``_time_options``) once per machine, torch and
+    kernel source, and kept (``localllm.kernels.measured``): every start gives one plan.
+    The kernel is the incumbent of a first measure (the file's own blocks, no second
+    rounding, a third of bf16's memory): another option takes over only when clearly faster."""
     types = tuple(sorted({t for t in block_types.values() if t in BLOCK_BYTES}))
     if not types or not cpu_ops.has_gguf_kernels():
         return None
-    if types in _choice:
-        return _choice[types]
+    m = measured.choose("gguf_linear_cpu", (f"act_levels={ACT_LEVELS}", "one thread"), _time_options, prefer="gguf")
+    if m.winner != "gguf":
+        return None
+    us = {k: f"{v * 1e6:.0f}" for k, v in m.times.items()}
+    names = "/".join(TYPE_NAMES[t] for t in types)
+    return (f"gguf {names} blocks as the file stores them (no second rounding), on the int8-dot CPU kernel: "
+            f"{us['gguf']} us per 576x1536 matvec on one core, bf16 {us['bf16']}, fp32 {us['fp32']}"
+            f" ({m.provenance()})")
+
+
+def _time_options() -> dict[str, float]:
+    """Seconds per 576x1536 matvec of this CPU for the GGUF kernel (Q4_1), bf16 and fp32
+    ``F.linear``: 8 distinct weights each, so they stream from memory as a model's do, in
+    interleaved rounds (a burst of load elsewhere hits all three alike), best round each
+    (~50 ms in all). On one thread: with two, every call ends in a barrier that waits for a
+    time slice whenever anything else runs, and all three took ~12 ms instead of 40-300 us
+    on a loaded 2-core machine (a coin toss between them); one thread times the kernels.
+    The choice compares how each kernel uses a core, which a second core scales alike."""
+    import time
+
     k, n, copies = 576, 1536, 8
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(n, k, generator=gen) * 0.02
@@ -230,23 +281,21 @@ def measure_cpu_choice(block_types: dict[str, int]) -> str | None:
     bf16 = [w.bfloat16().clone() for _ in range(copies)]
     fp32 = [w.clone() for _ in range(copies)]
     xb = x.bfloat16()
-
-    def best(fn) -> float:  # type: ignore[no-untyped-def]
-        times = []
+    options: dict[str, Callable[[int], torch.Tensor]] = {
+        "gguf": lambda i: torch.ops.localllm_cpu.gguf_linear(x, *packed[i], Q4_1, ACT_LEVELS),
+        "bf16": lambda i: torch.nn.functional.linear(xb, bf16[i]),
+        "fp32": lambda i: torch.nn.functional.linear(x, fp32[i]),
+    }
+    best = dict.fromkeys(options, float("inf"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
         for _ in range(5):
-            t0 = time.perf_counter()
-            for i in range(copies):
-                fn(i)
-            times.append((time.perf_counter() - t0) / copies)
-        return min(times)
-
-    t_g = best(lambda i: torch.ops.localllm_cpu.gguf_linear(x, *packed[i], Q4_1, ACT_LEVELS))
-    t_b = best(lambda i: torch.nn.functional.linear(xb, bf16[i]))
-    t_f = best(lambda i: torch.nn.functional.linear(x, fp32[i]))
-    names = "/".join(TYPE_NAMES[t] for t in types)
-    why = None
-    if t_g < min(t_b, t_f):
-        why = (f"gguf {names} blocks as the file stores them (no second rounding), on the int8-dot CPU kernel: "
-               f"{t_g * 1e6:.0f} us per 576x1536 matvec here, bf16 {t_b * 1e6:.0f}, fp32 {t_f * 1e6:.0f}")
-    _choice[types] = why
-    return why
+            for name, fn in options.items():
+                t0 = time.perf_counter()
+                for i in range(copies):
+                    fn(i)
+                best[name] = min(best[name], (time.perf_counter() - t0) / copies)
+    finally:
+        torch.set_num_threads(threads)
+    return best

@@ -17,6 +17,7 @@ give every run a fresh home would otherwise rebuild it each time.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import platform
 import shlex
@@ -233,6 +234,29 @@ class cache_lock:
 
     def __exit__(self, *exc: object) -> None:
         os.close(self._fd)  # closing the last descriptor releases the flock
+
+
+def read_cache_json(path: Path) -> dict[str, object]:
+    """A JSON object kept in the cache (measured choices, tunings); {} when there is none or
+    it does not parse: the caller then measures again."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def write_cache_json(path: Path, data: dict[str, object]) -> None:
+    """Replaces ``path`` at once (a temp file beside it, then ``os.replace``), so a concurrent
+    start reads a whole file. A read-only cache only costs the next start its measurements."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp",
+                                         delete=False) as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(f.name, path)
+    except OSError:
+        pass
 
 
 def _remove_stale_builds(folder: Path) -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-import json
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -83,7 +82,7 @@ def choose(
     take on a tie); on a requested re-measure with the same key the stored winner is."""
     key = machine_key(depends_on)
     path = cpu_ops.compiled_cache_dir() / FILE
-    stored = _read(path).get(name)
+    stored = cpu_ops.read_cache_json(path).get(name)
     same_key = isinstance(stored, dict) and stored.get("key") == key
     if same_key and not remeasure_requested():
         assert isinstance(stored, dict)
@@ -95,23 +94,13 @@ def choose(
     return result
 
 
-def _read(path: Path) -> dict[str, object]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
 def _store(path: Path, name: str, entry: dict[str, object]) -> None:
     """Adds ``entry`` under ``name``: read, update and replace under the cache's flock, so two
     starts that measure different choices at once both keep theirs."""
     try:
         with cpu_ops.cache_lock(path.parent / ".measured.lock"):
-            data = _read(path)
+            data = cpu_ops.read_cache_json(path)
             data[name] = entry
-            tmp = path.with_name(f".{FILE}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-            os.replace(tmp, path)
+            cpu_ops.write_cache_json(path, data)
     except OSError:  # a read-only cache: this start's choice stands, the next measures again
         pass

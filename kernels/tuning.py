@@ -20,15 +20,13 @@ import contextlib
 import functools
 import hashlib
 import json
-import os
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from localllm.kernels.cpu_ops import compiled_cache_dir
+from localllm.kernels.cpu_ops import compiled_cache_dir, read_cache_json, write_cache_json
 
 KERNELS_DIR = Path(__file__).parent
 # (GPU name, compute capability major, minor): what the measurements were made on
@@ -77,24 +75,17 @@ class TuningStore:
         self.identity = identity
         self.autotune: dict[str, dict[str, dict[str, Any]]] = {}
         self.gemm: dict[str, str] = {}
+        data = read_cache_json(path)
         try:
-            data = json.loads(path.read_text())
-            self.autotune = {str(k): dict(v) for k, v in data.get("autotune", {}).items()}
-            self.gemm = {str(k): str(v) for k, v in data.get("gemm", {}).items()}
-        except (OSError, ValueError, AttributeError, TypeError):  # none yet, or damaged: measure again
-            pass
+            self.autotune = {str(k): dict(v) for k, v in data.get("autotune", {}).items()}  # type: ignore[union-attr]
+            self.gemm = {str(k): str(v) for k, v in data.get("gemm", {}).items()}  # type: ignore[union-attr]
+        except (AttributeError, TypeError, ValueError):  # damaged: measure again
+            self.autotune, self.gemm = {}, {}
 
     def save(self) -> None:
         name, major, minor = self.identity
-        data = {"gpu": name, "capability": f"{major}.{minor}", "torch": torch.__version__,
-                "triton": _triton_version(), "autotune": self.autotune, "gemm": self.gemm}  # fmt: skip
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile("w", dir=self.path.parent, suffix=".tmp", delete=False) as f:
-                json.dump(data, f, indent=1, sort_keys=True)
-            os.replace(f.name, self.path)
-        except OSError:  # a read-only cache only costs the next start the measurements
-            pass
+        write_cache_json(self.path, {"gpu": name, "capability": f"{major}.{minor}", "torch": torch.__version__,
+                                     "triton": _triton_version(), "autotune": self.autotune, "gemm": self.gemm})
 
     def put_autotune(self, kernel: str, key: str, config: dict[str, Any]) -> None:
         self.autotune.setdefault(kernel, {})[key] = config

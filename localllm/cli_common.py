@@ -55,6 +55,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: the best available)")
     p.add_argument("--no-compile", action="store_true",
                    help="CPU: run the decode step eagerly instead of through torch.compile (also LOCALLLM_NO_COMPILE=1)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="the same greedy tokens for a prompt alone or in any batch (GGUF plans on CPU): every row on"
+                        " the integer kernels and an eager decode step, at some speed (docs/serve.md)")
     add_kv_cache_args(p)
 
 
@@ -76,6 +79,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> Engin
     fields: dict[str, Any] = dict(
         model=args.model, dtype=args.dtype, device=args.device, quant=args.quant, max_model_len=args.max_model_len,
         compile=not args.no_compile, kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,
+        deterministic=args.deterministic,
     )
     return EngineConfig(**{**fields, **overrides})
 
@@ -122,15 +126,33 @@ def read_json_schema(path: str) -> dict[str, Any]:
 
 
 def progress_printer() -> Progress:
-    """A loading/quantizing progress bar on stderr (only when stderr is a terminal)."""
+    """Loading/quantizing progress on stderr: a bar on a terminal; elsewhere (a log, a service
+    manager) one plain line when a stage starts and one when it ends. Work that goes on after
+    the bar has gone (the decode step optimized in the background while the first answer
+    streams) is told in plain lines on a terminal too: a bar would redraw over the answer."""
+    import time
+
     from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TaskID, TextColumn
 
     bar = Bar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
               transient=True, disable=not sys.stderr.isatty())
     tasks: dict[str, TaskID] = {}
+    started: dict[str, float] = {}  # plain lines: when each stage began (and that it was told)
+    told_done: set[str] = set()
+
+    def plain(stage: str, done: int, total: int) -> None:
+        if stage not in started:
+            started[stage] = time.monotonic()
+            print(f"localllm: {stage}…", file=sys.stderr, flush=True)
+        if total and done >= total and stage not in told_done:
+            told_done.add(stage)
+            print(f"localllm: {stage}: done in {time.monotonic() - started[stage]:.0f} s", file=sys.stderr, flush=True)
 
     def report(stage: str, done: int, total: int) -> None:
-        if not bar.live.is_started and not bar.disable:
+        if bar.disable or (stage not in tasks and bar.finished and tasks and not bar.live.is_started):
+            plain(stage, done, total)
+            return
+        if not bar.live.is_started:
             bar.start()
         if stage not in tasks:
             tasks[stage] = bar.add_task(stage, total=total)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
 import time
@@ -55,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
         result = asyncio.run(_reply(engine, prompt, params, echo=not args.json))
         if llm is not None:
             meter.stop()
+            _finish_optimizing(llm)
     finally:
         engine.shutdown()
     if not args.json:
@@ -68,6 +70,19 @@ def run(args: argparse.Namespace) -> int:
         report.update(_local_report(result, llm, meter))
     print(json.dumps(report, indent=2))
     return 0
+
+
+def _finish_optimizing(llm: LLMEngine) -> None:
+    """A first start optimizes the decode step in the background while it answers. A reply
+    shorter than that would end the process first, and every later start would begin it
+    again: wait for it, saying so (ctrl+c skips it; shutdown then ends its compilers)."""
+    runner = llm.runner
+    if runner.preparing:  # loading the saved graphs (seconds), or building the missing ones
+        if runner.compiling:
+            print("\nlocalllm: finishing the optimization for this CPU, for the next start (ctrl+c skips it)",
+                  file=sys.stderr, flush=True)
+        with contextlib.suppress(KeyboardInterrupt):
+            runner.wait_compiled()
 
 
 def _load(args: argparse.Namespace) -> tuple[Callable[[], LLMEngine], MemoryMeter]:

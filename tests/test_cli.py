@@ -287,10 +287,11 @@ def test_quantize_writes_files_with_normal_permissions(tiny_model: Path, tmp_pat
     assert "model.safetensors" in modes and set(modes.values()) == {0o666 & ~umask}, modes
 
 
-def test_gpu_check_dry_run_prints_its_plan() -> None:
+def test_gpu_check_dry_run_prints_its_plan(tmp_path: Path) -> None:
     root = Path(__file__).resolve().parents[1]
+    # its JSON goes to $OUT (else the working folder: a checkout would gain a file)
     proc = subprocess.run([sys.executable, str(root / "bench" / "gpu_check.py"), "--dry-run", "--only", "env,kernels"],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "OUT": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout.split("gpu_check plan:", 1)[1].split("\ngpu_check:", 1)[0])
     assert plan["sections"] == ["env", "kernels"] and plan["device"] == "cuda"

@@ -15,6 +15,7 @@ arrival of a new request (whose prefill may make the next step long).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import queue
 import threading
@@ -94,8 +95,11 @@ class AsyncEngine:
 
     def stats(self) -> EngineStats:
         """A snapshot taken when the engine last went idle, or at most ``STATS_EVERY_S`` ago
-        while it steps; safe to read from any thread."""
-        return self._stats
+        while it steps, with whether a background compile still runs as of now (it ends while
+        the engine idles); safe to read from any thread."""
+        stats = self._stats
+        compiling = self.engine.runner.compiling
+        return stats if stats.compiling == compiling else dataclasses.replace(stats, compiling=compiling)
 
     async def generate(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
@@ -145,9 +149,14 @@ class AsyncEngine:
         thread serves every loop until ``shutdown``."""
 
     def shutdown(self) -> None:
+        """Stops the engine thread; a background compile still running is abandoned (its
+        compiler processes end): wait for it first (``engine.runner.wait_compiled``) to keep it."""
         self._stopped.set()
         self._inbox.put(("stop", None))
         self._thread.join(timeout=10)
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.runner.stop_compile()
 
     # ---- engine thread ----
 

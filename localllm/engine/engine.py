@@ -29,10 +29,12 @@ from localllm.engine.block_manager import BlockManager
 from localllm.engine.guided import GrammarCompiler
 from localllm.engine.model_runner import ModelRunner
 from localllm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestState
+from localllm.engine.batch_invariant import make_batch_invariant
 from localllm.engine.sampler import SamplerOutput, sample
 from localllm.engine.scheduler import Scheduler
 from localllm.engine.sequence import SamplingParams, Sequence, SequenceStatus, choice_seed
 from localllm.errors import LocalLLMError
+from localllm.kernels import cpu_ops
 from localllm.tokenizer import IncrementalDetokenizer, Message
 
 if TYPE_CHECKING:
@@ -61,9 +63,13 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     use_cuda_graphs: bool = True
     compile: bool = True  # CPU decode through torch.compile; False (or LOCALLLM_NO_COMPILE=1) keeps eager
+    # graphs missing from disk are built on a thread while the eager path answers; False: now
+    compile_in_background: bool = True
     decode_buckets: list[int] | None = None  # rehearse the CUDA-graph bookkeeping eagerly (tests)
     kv_cache_dtype: str = "auto"  # auto | fp8 | fp8_e4m3 (vLLM's names); auto = the plan's
     calculate_kv_scales: bool = False  # FP8 cache: scales from a calibration prompt, not 1.0
+    # the same tokens for a prompt alone or in any batch (engine/batch_invariant.py); decodes eagerly
+    deterministic: bool = False
 
 
 @dataclass(slots=True)
@@ -84,6 +90,7 @@ class EngineStats:
     prefix_cache_hit_tokens: int
     prompt_tokens: int
     max_batch_size_seen: int
+    compiling: bool = False  # the decode step is being optimized in the background (eager meanwhile)
 
     @property
     def kv_usage(self) -> float:
@@ -123,6 +130,8 @@ class LLMEngine:
             self.kv_scales = calibrate_kv_scales(loaded.model, calibration_prompt(loaded.tokenizer))
             if progress is not None:
                 progress("calibrating KV scales", 1, 1)
+        if config.deterministic:
+            make_batch_invariant(loaded.model, loaded.device.type, loaded.precision)
         self.block_manager = BlockManager(loaded.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(
             loaded.model, loaded.num_kv_blocks, config.block_size, loaded.kv_dtype, loaded.max_model_len,
@@ -130,6 +139,7 @@ class LLMEngine:
             max_graph_batch=config.max_num_seqs or self.plan.max_num_seqs,
             compile_cpu=self._compiles(config),
             decode_buckets=config.decode_buckets, progress=progress, kv_scales=self.kv_scales,
+            compile_in_background=config.compile_in_background,
         )
         self.scheduler = Scheduler(
             self.block_manager,
@@ -149,7 +159,9 @@ class LLMEngine:
     @staticmethod
     def _compiles(config: EngineConfig) -> bool:
         """Whether a CPU engine compiles its decode step (the planner sizes memory for it)."""
-        return config.compile and os.environ.get("LOCALLLM_NO_COMPILE", "0") in ("", "0")
+        # Inductor compiles C++ on CPU: without a compiler, eager at once (cpu_ops says so in one line)
+        return (config.compile and not config.deterministic
+                and os.environ.get("LOCALLLM_NO_COMPILE", "0") in ("", "0") and cpu_ops.can_compile())
 
     # ---- requests ----
 
@@ -326,6 +338,7 @@ class LLMEngine:
             prefix_cache_hit_tokens=self._hit_tokens,
             prompt_tokens=self._prompt_tokens,
             max_batch_size_seen=self._max_batch,
+            compiling=self.runner.compiling,
         )
 
     def generate(

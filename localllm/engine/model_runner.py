@@ -13,6 +13,7 @@ matmuls dwarf the dispatch.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import importlib
@@ -21,6 +22,7 @@ import logging
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -32,11 +34,15 @@ from localllm.engine.scheduler import ScheduledBatch
 from localllm.engine.sequence import Sequence
 from localllm.hardware.probe import cpus_for_threads
 from localllm.kernels import cpu_ops
+from localllm.models import forward_context
 from localllm.models.llama import AttentionMetadata, LlamaForCausalLM, kv_scale_tensor
 
 logger = logging.getLogger(__name__)
 
 GRAPH_BATCH_SIZES = [1, 2, 4, 8] + list(range(16, 257, 16))
+# _capture_graphs' progress stages (TUI status line, CLI bar)
+CAPTURE_STAGE = "capturing CUDA graphs"
+TUNING_STAGE = "tuning kernels for this GPU (first run only)"
 
 
 @dataclass(slots=True)
@@ -70,11 +76,14 @@ class ModelRunner:
         decode_buckets: list[int] | None = None,
         progress: Callable[[str, int, int], None] | None = None,
         kv_scales: Seq[tuple[float, float]] | None = None,
+        compile_in_background: bool = False,
     ) -> None:
         """``compile_cpu``: decode through torch.compile on a CPU device. ``decode_buckets``
         forces the static-buffer decode path with these batch buckets and no capture or
         compile (the CUDA-graph bookkeeping, rehearsed eagerly; tests use it). ``kv_scales``:
-        (k_scale, v_scale) per layer for an FP8 pool; default 1.0 (vLLM's)."""
+        (k_scale, v_scale) per layer for an FP8 pool; default 1.0 (vLLM's).
+        ``compile_in_background``: decode graphs missing from disk are built on a thread while
+        the eager path serves (``_compile_decode``)."""
         cfg = model.config
         self.model = model
         self.device = model.device
@@ -101,11 +110,18 @@ class ModelRunner:
         self._decode_gives_logits = False  # the compiled path folds compute_logits in
         self._unguarded: dict[int, Callable[..., torch.Tensor]] = {}  # 1: batch 1, 2: larger
         self.graphs_compiled = 0  # decode graphs compiled in this process, not loaded from disk
+        # "" (no compiled path), "loading" or "compiling" (the saved graphs, the missing ones: in
+        # the background, the eager path serving meanwhile), "done", "failed" (decoding stays
+        # eager); written by the compile thread, then by _use_graphs
+        self.compile_state = ""
+        self._compile_thread: threading.Thread | None = None
+        self._built: dict[int, Callable[..., torch.Tensor]] | None = None  # built, not yet switched to
+        self._cancelled = False  # stop_compile() was called: the compile thread stops at its next graph
         # the CPUs the forward's OpenMP threads are bound to, one per core (None: the OS places them)
         self.thread_cpus = _thread_cpus() if self.device.type == "cpu" else None
         self._bound_for_good: threading.Thread | None = None  # the thread keep_threads_bound bound
         if use_cuda_graphs and self.device.type == "cuda":
-            self._capture_graphs(max_graph_batch)
+            self._capture_graphs(max_graph_batch, progress)
         elif decode_buckets:
             self._init_static_buffers(sorted(decode_buckets))
             self._decode_call = self._run_bucket_eager
@@ -113,7 +129,7 @@ class ModelRunner:
             # every batch size is its own bucket: CPU steps cost by rows, so padding would be
             # waste, and Inductor's dynamic shapes serve all sizes from two graphs (1 and >1)
             self._init_static_buffers(list(range(1, max_graph_batch + 1)))
-            self._compile_decode(progress)
+            self._compile_decode(progress, compile_in_background)
 
     @property
     def kv_bytes(self) -> int:
@@ -199,6 +215,8 @@ class ModelRunner:
             os.sched_setaffinity(0, mask)
 
     def _execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor | None]:
+        if self._built is not None:
+            self._switch()
         for src, dst in batch.block_copies:
             if src != dst:
                 for k, v in self.kv_caches:
@@ -212,7 +230,8 @@ class ModelRunner:
                 out = out[:n]
             return batch.seqs, out if self._decode_gives_logits else self.model.compute_logits(out)
         inputs = self.prepare(batch)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        with forward_context.batch_rows(batch.num_decodes, batch.num_new_tokens[batch.num_decodes :]):
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         if not inputs.sampling_seqs:
             return [], None
         return inputs.sampling_seqs, self.model.compute_logits(hidden[inputs.logits_indices])
@@ -224,10 +243,12 @@ class ModelRunner:
         (the compiled one on CPU when compiling), without the static buffers: for benchmarks
         that drive the model from a plain loop."""
         with self._bound_threads():  # as execute() runs
+            if self._built is not None:
+                self._switch()
             if self._decode_gives_logits:
                 fn = self._unguarded[min(input_ids.shape[0], 2)]
-                return fn(self.model, input_ids, positions, meta.slot_mapping, meta.query_start_loc, meta.seq_lens,
-                          meta.block_tables)
+                return fn(self.model, self.model.cos_sin, input_ids, positions, meta.slot_mapping,
+                          meta.query_start_loc, meta.seq_lens, meta.block_tables)
             return self.model.compute_logits(self.model(input_ids, positions, meta))
 
     def _init_static_buffers(self, sizes: list[int]) -> None:
@@ -241,7 +262,7 @@ class ModelRunner:
         self._g_positions = torch.zeros(top, dtype=torch.int64, device=dev)
         self._g_slots = torch.full((top,), -1, dtype=torch.int64, device=dev)
         self._g_seq_lens = torch.ones(top, dtype=torch.int32, device=dev)
-        self._g_tables = torch.zeros(top, self.max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self._g_tables = torch.zeros(top, max(2, self.max_blocks_per_seq), dtype=torch.int32, device=dev)
         self._g_qsl = torch.arange(top + 1, dtype=torch.int32, device=dev)
         # the host side that _stage_decode writes: the buffers themselves on a CPU, pinned
         # copies for a GPU (a step's copies are done before the next step writes: it syncs on
@@ -268,90 +289,240 @@ class ModelRunner:
         return self.model(ids, pos, self._bucket_meta(b))
 
     def _run_bucket_compiled(self, b: int) -> torch.Tensor:
-        return self._unguarded[min(b, 2)](self.model, *self._bucket_args[b])
+        return self._unguarded[min(b, 2)](self.model, self.model.cos_sin, *self._bucket_args[b])
 
-    def _compile_decode(self, progress: Callable[[str, int, int], None] | None) -> None:
-        """Compiles the decode step now, for batch 1 and for any larger batch (one graph whose
-        batch size is dynamic), so no request pays it. Each graph is compiled ahead of time
-        (``torch.compile(...).aot_compile``) and saved under our cache folder: a later start
-        loads it (~5 s a graph) instead of tracing the model again (Dynamo's trace alone was
-        ~15 s a graph at every start, on top of Inductor's own cache). The first start on a
-        machine takes ~2 minutes and says so."""
+    def _compile_decode(self, progress: Callable[[str, int, int], None] | None, background: bool) -> None:
+        """The decode step compiled for batch 1 and for any larger batch (one graph whose batch
+        size is dynamic). Each graph is compiled ahead of time (``torch.compile(...).aot_compile``)
+        and saved under our cache folder: a later start loads it (seconds) instead of tracing
+        the model again (Dynamo's trace alone was ~15 s a graph at every start, on top of
+        Inductor's own cache). With ``background``, the graphs on disk are loaded (seconds) and
+        the missing ones built (minutes: the first start on a machine, a new torch or model) on
+        a low-priority thread while the static-buffer eager path serves, and the engine thread
+        switches to the compiled graphs between two steps (``_switch``); without, it is all
+        done now."""
         _use_our_inductor_cache()
         # cpp_wrapper: the graph's ~30 x 25 kernel calls run from generated C++, not from a
         # generated Python function (measured: median step 36 -> 24 ms under load)
         cpp_wrapper = os.environ.get("LOCALLLM_CPP_WRAPPER", "1") != "0"
-        compiler = torch.compile(_decode_logits, fullgraph=True, dynamic=None, options={"cpp_wrapper": cpp_wrapper})
         sizes = [b for b in (1, 2) if b <= self.buckets[-1]]
         key = self._graph_key(cpp_wrapper)
-        stage = ""
-        for i, b in enumerate(sizes):
-            args = self._bucket_args[b]
-            path = _graphs_dir() / f"decode-{key}-{'1' if b == 1 else 'n'}.bin"
-            if path.is_file():
-                stage = "loading the decode step optimized for this CPU"
-                if progress is not None:
-                    progress(stage, i, len(sizes))
-            fn = _load_graph(path, self.model, args)
-            if fn is None:
-                stage = "optimizing for this CPU (first run only)"
-                if progress is not None:
-                    progress(stage, i, len(sizes))
-                if b > 1:  # one graph for every batch size from 2 up
-                    for a in args:
-                        torch._dynamo.mark_dynamic(a, 0)
-                try:
-                    with torch.inference_mode():
-                        fn = compiler.aot_compile(((self.model, *args), {}))
-                except Exception as e:  # noqa: BLE001 - a model the compiler cannot take still runs
+        paths = {b: _graphs_dir() / f"decode-{key}-{'1' if b == 1 else 'n'}.bin" for b in sizes}
+        self._decode_call = self._run_bucket_eager  # until the graphs are in
+        self.compile_state = "loading"
+        work = (cpp_wrapper, sizes, paths, progress)
+        if not background:
+            self._prepare_graphs(*work)
+            self._switch()
+            return
+        # daemon: a process that exits (the TUI's ctrl+q, a finished `run`) never waits on it
+        self._compile_thread = threading.Thread(target=self._prepare_graphs, args=work, name="localllm-compile",
+                                                daemon=True)
+        _COMPILE_THREADS.add(self._compile_thread)
+        _stop_compilers_at_exit()
+        missing = [b for b in sizes if not paths[b].is_file()]
+        if missing and progress is not None:  # told now, before the first answer streams, not in the middle of it
+            progress(COMPILING_STAGE, 0, len(missing))
+        self._compile_thread.start()
+
+    def _prepare_graphs(
+        self, cpp_wrapper: bool, sizes: list[int], paths: dict[int, Path],
+        progress: Callable[[str, int, int], None] | None,
+    ) -> None:
+        """Loads the graphs saved on disk (~5 s for the default model's two: a warm start's
+        largest cost, so off the first answer's path too), then builds those missing."""
+        background = threading.current_thread() is self._compile_thread
+        if background:
+            _lower_priority()
+        report = progress if progress is not None and not background else None  # seconds: no bar mid-answer
+        graphs: dict[int, Callable[..., torch.Tensor]] = {}
+        on_disk = [b for b in sizes if paths[b].is_file()]
+        for i, b in enumerate(on_disk):
+            if report is not None:
+                report(LOADING_STAGE, i, len(on_disk))
+            fn = _load_graph(paths[b], self.model, (self.model.cos_sin, *self._bucket_args[b]))
+            if fn is not None:
+                graphs[b] = fn
+        if on_disk and report is not None:
+            report(LOADING_STAGE, len(on_disk), len(on_disk))
+        missing = [b for b in sizes if b not in graphs]
+        if not missing:
+            self._built = graphs
+            self.compile_state = "done"
+            return
+        self.compile_state = "compiling"
+        self._build_graphs(cpp_wrapper, missing, paths, graphs, progress)
+
+    def _build_graphs(
+        self, cpp_wrapper: bool, missing: list[int], paths: dict[int, Path],
+        graphs: dict[int, Callable[..., torch.Tensor]], progress: Callable[[str, int, int], None] | None,
+    ) -> None:
+        """Compiles and saves the graphs of the buckets in ``missing``; on the compile thread,
+        the only writer of ``_built`` and ``compile_state``. Tracing runs on fake tensors in
+        this thread's own grad and dispatch modes (thread-local), reads the model and never
+        writes it, so the engine thread may run the eager forward meanwhile."""
+        background = threading.current_thread() is self._compile_thread
+        compiler = torch.compile(_decode_logits, fullgraph=True, dynamic=None, options={"cpp_wrapper": cpp_wrapper})
+        stage = COMPILING_STAGE if background else "optimizing for this CPU (first run only)"
+        for i, b in enumerate(missing):
+            if self._cancelled:
+                self.compile_state = "failed"
+                return
+            if progress is not None:
+                progress(stage, i, len(missing))
+            self._mark_dynamic(b)
+            try:
+                # No duck sizing: two sizes equal at trace time must not become one symbol, or
+                # the graph (called without its guards) would assume them equal later. Dynamic
+                # exactly where marked: Dynamo's automatic dynamism would carry what earlier
+                # compiles of this process saw (another model's eps became a symbolic float,
+                # which aot_compile cannot take).
+                with (torch.inference_mode(), torch.fx.experimental._config.patch(use_duck_shape=False),
+                      torch._dynamo.config.patch(automatic_dynamic_shapes=False, specialize_float=True)):
+                    fn = compiler.aot_compile(((self.model, self.model.cos_sin, *self._bucket_args[b]), {}))
+            except Exception as e:  # noqa: BLE001 - a model the compiler cannot take still runs
+                if not self._cancelled:
                     logger.warning("compiling the decode step failed (%s: %s); decoding without it",
                                    type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-                    self._unguarded.clear()
-                    self._decode_call = self._run_bucket_eager
-                    return
-                self.graphs_compiled += 1
-                try:
-                    fn.save_compiled_function(str(path))
-                    _prune_graphs(path.parent)
-                except (OSError, RuntimeError) as e:  # no cache this time: the next start compiles again
-                    logger.warning("could not save the compiled decode step to %s: %s", path, e)
+                self.compile_state = "failed"
+                if progress is not None:
+                    progress(stage, len(missing), len(missing))
+                return
+            self.graphs_compiled += 1
+            try:
+                fn.save_compiled_function(str(paths[b]))
+                _prune_graphs(paths[b].parent)
+            except (OSError, RuntimeError) as e:  # no cache this time: the next start compiles again
+                logger.warning("could not save the compiled decode step to %s: %s", paths[b], e)
+            graphs[b] = fn
+        self._built = graphs
+        self.compile_state = "done"
+        if progress is not None:
+            progress(stage, len(missing), len(missing))
+
+    def _switch(self) -> None:
+        """On the thread that steps (between two steps): takes the graphs the compile thread
+        has built, if it has."""
+        graphs, self._built = self._built, None
+        if graphs is not None:
+            self._use_graphs(graphs)
+
+    def _use_graphs(self, graphs: dict[int, Callable[..., torch.Tensor]]) -> None:
+        for fn in graphs.values():
             # the key and the check at load cover what the guards would: call without them
             # (a guarded call checked ~500 tensors, 3.5 ms of a 15 ms batch-1 step)
             fn.disable_guard_check()
-            self._unguarded[b] = fn
+        self._unguarded = graphs
         self._decode_call = self._run_bucket_compiled
         self._decode_gives_logits = True
-        if progress is not None and stage:
-            progress(stage, len(sizes), len(sizes))
+        self.compile_state = "done"
+
+    @property
+    def compiling(self) -> bool:
+        """True while the decode graphs are being built in the background."""
+        return self.compile_state == "compiling"
+
+    @property
+    def preparing(self) -> bool:
+        """True while the background thread loads or builds the decode graphs."""
+        return self.compile_state in ("loading", "compiling")
+
+    def stop_compile(self) -> None:
+        """Abandons a background compile (an engine shut down mid-compile): its compiler
+        processes end now, and the thread ends with the step it is in, saving nothing."""
+        if self.preparing:
+            self._cancelled = True
+            stop_compilers()
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Waits for a background compile to end (built, saved, or failed); True when none is
+        running any more. The next step switches to the graphs."""
+        thread = self._compile_thread
+        if thread is not None:
+            thread.join(timeout)
+            return not thread.is_alive()
+        return True
+
+    def _mark_dynamic(self, b: int) -> None:
+        """Makes the sizes that do not change the math dynamic dimensions of the graph traced
+        for bucket ``b``: the KV pool's block count, the rotary table's length (max_model_len),
+        the block tables' width, and for the graph of every batch from 2 up the batch. A new
+        pool size, context limit or chat count then reuses the saved graph (``_graph_key``
+        leaves them out). Dynamo would specialize a size of 0 or 1: the pool and the table
+        width are made at least 2 (``__init__``, ``_init_static_buffers``)."""
+        mark = torch._dynamo.mark_dynamic
+        for k, v in self.kv_caches:
+            mark(k, 0)
+            mark(v, 0)
+        mark(self.model.cos_sin, 0)
+        args = self._bucket_args[b]
+        mark(args[5], 1)  # block tables: [batch, blocks per sequence]
+        if b > 1:  # one graph for every batch size from 2 up
+            for a in args:
+                mark(a, 0)
 
     def _graph_key(self, cpp_wrapper: bool) -> str:
         """What a saved decode graph was made for: this CPU, torch, Python, the CPU kernels'
-        source, the model's structure and every tensor the graph reads (names, shapes, dtypes)
-        and the static buffers. The source of the traced code is checked at load."""
+        source, the model's structure and every tensor the graph reads (names, shapes, dtypes),
+        the KV pool's block shape and dtype. Not the sizes ``_mark_dynamic`` makes dynamic (the
+        pool's block count, max_model_len, the batch buckets). The source of the traced code is
+        checked at load."""
         h = hashlib.sha256()
-        for part in (cpu_ops.cpu_signature(), torch.__version__, sys.version, str(cpp_wrapper),
+        for part in ("dynamic-sizes-2", cpu_ops.cpu_signature(), torch.__version__, sys.version, str(cpp_wrapper),
                      cpu_ops.SOURCE.read_text(), type(self.model).__qualname__, repr(self.model.config)):
             h.update(part.encode() + b"\0")
         for name, t in self.model.state_dict(keep_vars=True).items():
             h.update(f"{name}:{tuple(t.shape)}:{t.dtype}\0".encode())
-        for t in (*self.kv_caches[0], self.kv_scales, *self._bucket_args[self.buckets[-1]]):
-            h.update(f"{tuple(t.shape)}:{t.dtype}\0".encode())
-        h.update(f"{len(self.kv_caches)}\0".encode())
+        k = self.kv_caches[0][0]
+        h.update(f"{tuple(k.shape[1:])}:{k.dtype}:{self.model.cos_sin.dtype}:{tuple(self.kv_scales.shape)}\0".encode())
+        h.update(f"{[t.dtype for t in self._bucket_args[1]]}:{len(self.kv_caches)}\0".encode())
         return h.hexdigest()[:24]
 
-    def _capture_graphs(self, max_batch: int) -> None:
-        """Captures one graph per batch bucket over the static input buffers."""
+    def _capture_graphs(self, max_batch: int, progress: Callable[[str, int, int], None] | None = None) -> None:
+        """Captures one graph per batch bucket over the static input buffers, largest first so
+        smaller graphs reuse its memory pool. Each bucket first runs twice outside the capture:
+        every shape-dependent choice (Triton's autotune, the GEMM backend) is made then, since
+        timing inside a capture would break it. Reports "capturing CUDA graphs" b/N through
+        ``progress``, and "tuning kernels for this GPU (first run only)" while choices are
+        measured (they persist on disk: ``localllm.kernels.tuning``), each stage ending at N/N.
+
+        Off CUDA (a rehearsal's tests call it on CPU tensors) it runs the same warm-ups and
+        progress and keeps the buckets eager: there is nothing to capture."""
+        from localllm.kernels import tuning
+
         self._init_static_buffers([b for b in GRAPH_BATCH_SIZES if b <= max_batch])
+        capture = self.device.type == "cuda"
         self._g_hidden: dict[int, torch.Tensor] = {}
+        total = len(self.buckets)
+        tuned_at = -1  # the last bucket whose warm-up tuned something
+        report = progress or (lambda stage, done, n: None)
         pool = None
-        for b in reversed(self.buckets):  # largest first so smaller graphs reuse its memory pool
-            for _ in range(2):  # warm up: Triton compiles and autotunes outside the capture
-                self._run_bucket_eager(b)
+        for i, b in enumerate(reversed(self.buckets)):
+            def on_tune(i: int = i) -> None:  # once per bucket that tunes
+                nonlocal tuned_at
+                if tuned_at < 0:
+                    logger.info("tuning kernels for this GPU (first run only)")
+                if tuned_at < i:
+                    tuned_at = i
+                    report(TUNING_STAGE, i, total)
+
+            with tuning.reporting(on_tune):
+                for _ in range(2):  # warm up: Triton compiles and autotunes outside the capture
+                    self._run_bucket_eager(b)
+            report(CAPTURE_STAGE, i, total)
+            if not capture:
+                continue
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self._g_hidden[b] = self._run_bucket_eager(b)
             pool = graph.pool()
             self.graphs[b] = graph
+        if tuned_at >= 0:
+            report(TUNING_STAGE, total, total)
+        report(CAPTURE_STAGE, total, total)
+        if not capture:
+            self._decode_call = self._run_bucket_eager
+            return
         torch.cuda.synchronize()
         self._decode_call = lambda b: (self.graphs[b].replay(), self._g_hidden[b])[1]
 
@@ -383,6 +554,63 @@ class ModelRunner:
         return self._g_input_ids, self._g_positions, self._g_slots, self._g_seq_lens, self._g_tables
 
 
+LOADING_STAGE = "loading the decode step optimized for this CPU"
+COMPILING_STAGE = "optimizing for this CPU in the background (first run only)"
+
+
+# The background compile threads of this process, for the exit hook.
+_COMPILE_THREADS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+_exit_hook_set = False
+
+
+def stop_compilers() -> None:
+    """Ends this process's child processes: Inductor's compile workers and the compilers they
+    run, which a background compile started. Called only while one runs (nothing else here
+    starts children then), so that quitting mid-compile leaves no compiler running."""
+    import psutil
+
+    try:
+        children = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            child.terminate()
+    _, alive = psutil.wait_procs(children, timeout=2)
+    for child in alive:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+
+
+def _stop_compilers_at_exit() -> None:
+    """Registers, once, the exit hook that ends the compilers of a background compile still
+    running at exit. On threading's own exit hooks, which run before Python joins threads
+    and before the ``atexit`` hooks (Inductor's pool waits there on its busy workers)."""
+    global _exit_hook_set
+    if _exit_hook_set:
+        return
+    _exit_hook_set = True
+
+    def hook() -> None:
+        if any(t.is_alive() for t in list(_COMPILE_THREADS)):
+            stop_compilers()
+
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        register(hook) if register is not None else atexit.register(hook)
+    except RuntimeError:  # the interpreter is already shutting down
+        atexit.register(hook)
+
+
+def _lower_priority() -> None:
+    """The calling thread, and the compiler processes it starts (they inherit it), yield the
+    CPUs to the engine's threads: nice 10. Linux sets a nice value per thread."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (OSError, AttributeError):  # another OS: the compile competes at normal priority
+        pass
+
+
 def _thread_cpus() -> list[int] | None:
     """Where the forward's threads go: one per core (``cpus_for_threads``) unless
     ``LOCALLLM_BIND_THREADS=0`` leaves them to the OS or the C++ ops (which bind) are missing."""
@@ -393,6 +621,7 @@ def _thread_cpus() -> list[int] | None:
 
 def _decode_logits(
     model: LlamaForCausalLM,
+    cos_sin: torch.Tensor,
     input_ids: torch.Tensor,
     positions: torch.Tensor,
     slots: torch.Tensor,
@@ -402,9 +631,11 @@ def _decode_logits(
 ) -> torch.Tensor:
     """One decode step, every row a one-token sequence, through to the logits: the function
     torch.compile traces on CPU (the metadata is rebuilt inside, so no Python object is a
-    graph input)."""
+    graph input). The rotary table is an input, not read from the model's buffer: Dynamo
+    keeps a module buffer's shape static, and its length is max_model_len, which must stay a
+    dynamic size (``ModelRunner._mark_dynamic``)."""
     meta = AttentionMetadata(slots, query_start_loc, seq_lens, block_tables, input_ids.shape[0])
-    return model.compute_logits(model(input_ids, positions, meta))
+    return model.compute_logits(model.model(input_ids, positions, cos_sin, meta))
 
 
 def _use_our_inductor_cache() -> None:
@@ -420,6 +651,7 @@ def _use_our_inductor_cache() -> None:
         torch_default = None
     if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, torch_default):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cpu_ops.compiled_cache_dir() / "inductor")
+    cpu_ops.path_free_inductor_keys()  # one cache for every install (venv, pipx) of this torch
 
 
 def _graphs_dir() -> Path:
@@ -464,6 +696,13 @@ def _load_graph(
             if fresh and fn.guard_check(model, *args):
                 os.utime(path)  # in use: the last file _prune_graphs would delete
                 return fn
+            if not fresh:
+                logger.info("the saved decode step %s was traced from code changed since; compiling it again",
+                            path.name)
+            else:  # a size that should be dynamic was not: say which, for whoever debugs it
+                reason = fn._artifacts.guard_manager.check_verbose(fn.prepare_f_locals(model, *args))
+                logger.warning("the saved decode step %s does not take these inputs (%s); compiling it again",
+                               path.name, "; ".join(reason.verbose_code_parts))
     except Exception as e:  # noqa: BLE001 - any failure here only means "compile it again"
         logger.warning("the saved decode step %s does not load (%s: %s); compiling it again", path.name,
                        type(e).__name__, e)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
@@ -125,6 +126,9 @@ class ChatApp(App[None]):
         self.load_failure: str | None = None  # the last load failed and none succeeded since: exit code 2
         self.loading = False
         self.load_progress: tuple[str, int, int] = ("starting", 0, 0)
+        self._load_id = 0  # the latest load's number: an older load's engine is shut down, not used
+        self._closed = False  # unmounted: an engine that arrives now is shut down, not used
+        self._compiling = False  # the engine optimizes its decode step in the background (last seen)
         self._engine_ready = asyncio.Event()
         if engine is not None:
             self._engine_ready.set()
@@ -204,6 +208,7 @@ class ChatApp(App[None]):
         self.exit(return_code=2 if self.load_failure else 0)
 
     async def on_unmount(self) -> None:
+        self._closed = True
         await self.stop_all()
         if self._engine is not None and self._owns_engine:
             engine, self._engine = self._engine, None
@@ -262,16 +267,25 @@ class ChatApp(App[None]):
         # timer paints it.
         self.load_progress = (stage, done, total)
 
-    @work(thread=True, exclusive=True, group="engine-load", exit_on_error=False)
     def _load_worker(self, model: str | None) -> None:
+        """Builds the engine on a daemon thread of its own, not a Textual thread worker: the
+        app's exit waits for its workers' threads, and a load can take minutes (a first start
+        builds kernels), so ctrl+q did nothing until it ended. The process exits without
+        joining this thread. Only the latest load's engine is kept."""
+        self._load_id += 1
+        threading.Thread(target=self._load_in_thread, args=(model, self._load_id), name="localllm-load",
+                         daemon=True).start()
+
+    def _load_in_thread(self, model: str | None, load_id: int) -> None:
         assert self.engine_factory is not None
         try:
             engine = self.engine_factory(model, self._on_load_progress)
         except BaseException as e:  # noqa: BLE001 - shown in the app, which goes on without a model
-            self._from_thread(self._engine_failed, e)
+            if load_id == self._load_id:
+                self._from_thread(self._engine_failed, e)
             return
-        if not self._from_thread(self._engine_loaded, engine):
-            engine.shutdown()  # the app quit while loading
+        if load_id != self._load_id or not self._from_thread(self._engine_loaded, engine) or self._engine is not engine:
+            engine.shutdown()  # a later load replaced this one, or the app quit while loading
 
     def _from_thread(self, callback: Callable[..., Any], *args: Any) -> bool:
         try:
@@ -281,6 +295,8 @@ class ChatApp(App[None]):
         return True
 
     def _engine_loaded(self, engine: ChatEngine) -> None:
+        if self._closed:  # the app quit while it loaded: the loading thread shuts it down
+            return
         self._engine = engine
         self._owns_engine = True
         self.loading = False
@@ -780,6 +796,9 @@ class ChatApp(App[None]):
         if not remote:  # this process's memory says nothing about a server's
             text.append(*sep)
             text.append(memory_label(s.device))
+        if s.compiling:  # before the figures that matter less: the line is cut from the right
+            text.append(*sep)
+            text.append("optimizing for this CPU…", style="yellow")
         return text
 
     def refresh_status(self) -> None:
@@ -788,6 +807,13 @@ class ChatApp(App[None]):
         except Exception:  # noqa: BLE001 - during shutdown the bar may be gone
             return
         self._paint_tab_labels()
+        compiling = False
+        if self._engine is not None:
+            with suppress(Exception):
+                compiling = self._engine.stats().compiling
+        if self._compiling and not compiling:
+            self.notify("Optimized for this CPU: replies now come faster")
+        self._compiling = compiling
 
 
 def _short_model(name: str) -> str:

@@ -417,6 +417,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _optimizing(health: Any) -> bool:
+    """Whether a ``/health`` answer says the server still compiles its decode step (ours
+    does in the background on a first start); llama-server's answer never says so."""
+    try:
+        return bool(health.json().get("optimizing", False))
+    except (ValueError, AttributeError):
+        return False
+
+
 class Server:
     """One server process for one trial: started, ready once ``/health`` answers 200 (not
     the 503 llama-server sends while it loads), stopped at exit. Output goes to a log file
@@ -443,7 +452,9 @@ class Server:
                 if rc is not None:
                     raise _died(self.name, rc, self._tail())
                 try:
-                    if (await http.get(f"{self.base}/health")).status_code == 200:
+                    health = await http.get(f"{self.base}/health")
+                    # ours answers while it still compiles its decode step (eager meanwhile): wait
+                    if health.status_code == 200 and not _optimizing(health):
                         return self
                 except httpx.TransportError:
                     pass  # not listening yet

@@ -494,7 +494,9 @@ def create_app(
     engine.engine.guided.warm()  # now, while no stream runs: it holds the GIL for about a second
 
     async def health(request: Request) -> Response:
-        return JSONResponse({"status": "ok", "model": state.model})
+        # optimizing: the decode step is still being compiled in the background (the eager path
+        # serves meanwhile); benchmarks wait for false
+        return JSONResponse({"status": "ok", "model": state.model, "optimizing": engine.stats().compiling})
 
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{

@@ -33,7 +33,7 @@ def _greedy(client: openai.OpenAI, **kw: Any) -> Any:
 def test_models_and_health(served: Served, client: openai.OpenAI) -> None:
     models = client.models.list().data
     assert [m.id for m in models] == [served.model]
-    assert httpx.get(f"{served.url}/health").json() == {"status": "ok", "model": served.model}
+    assert httpx.get(f"{served.url}/health").json() == {"status": "ok", "model": served.model, "optimizing": False}
 
 
 def test_open_routes_show_the_models_name_not_its_path(served: Served) -> None:

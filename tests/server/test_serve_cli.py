@@ -50,7 +50,7 @@ def test_serve_subprocess_with_api_key(default_model_path: Path) -> None:
         url = _ready_url(proc, timeout=150)
         assert url.startswith("http://127.0.0.1:") and url.endswith("/v1")
         root = url.removesuffix("/v1")
-        assert httpx.get(f"{root}/health").json() == {"status": "ok", "model": default_model_path.name}
+        assert httpx.get(f"{root}/health").json() == {"status": "ok", "model": default_model_path.name, "optimizing": False}
         assert httpx.get(f"{url}/models").status_code == 401
         # issue 33: a foreign Host or Origin is refused; the origin from the environment is answered
         port = root.rsplit(":", 1)[1]

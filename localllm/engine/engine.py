@@ -250,6 +250,8 @@ class LLMEngine:
                 logger.exception("request %s failed after sampling", seq.request_id)
                 outputs.append(self._fail(state, _request_error(e, "detokenizing its token"), now))
         self._record_step(t0, batch.num_tokens, len(batch.seqs), len(sampling_seqs))
+        self.scheduler.prefill_budget.observe(time.monotonic() - t0, batch.num_tokens - batch.num_decodes,
+                                              batch.num_decodes)
         return outputs
 
     def _sample(

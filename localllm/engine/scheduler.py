@@ -4,7 +4,9 @@ One rule, as in vLLM v1: every sequence has tokens it still has to compute
 (``num_tokens - num_computed_tokens``); a step hands out up to ``max_num_batched_tokens`` of
 them. Running sequences (mostly decodes, one token each) are served first, then waiting ones,
 whose prompts are chunked to what the budget leaves. So a long prompt never stalls the decodes
-of other chats, and prefill and decode share one forward pass.
+of other chats, and prefill and decode share one forward pass; beside running decodes, prompt
+chunks also share a cap measured from step times (``step_budget``), so that such a step stays
+within a few times a decode step.
 
 The scheduler is the one writer of a sequence's progress: ``schedule`` admits and preempts,
 ``update`` (after the forward pass) advances ``num_computed_tokens``, registers newly full
@@ -21,6 +23,7 @@ from typing import NamedTuple
 
 from localllm.engine.block_manager import BlockManager
 from localllm.engine.sequence import Sequence, SequenceStatus
+from localllm.engine.step_budget import PrefillBudget
 
 
 class ScheduledBatch(NamedTuple):
@@ -49,6 +52,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # prompt tokens a step may take beside decodes, from the engine's step times
+        self.prefill_budget = PrefillBudget()
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -62,11 +67,20 @@ class Scheduler:
         preempted: list[Sequence] = []
         copies: list[tuple[int, int]] = []
 
+        # beside running decodes, prompt chunks share a cap that keeps the decodes' gap short
+        cap = self.prefill_budget.cap()
+        decoding = cap is not None and any(s.num_tokens - s.num_computed_tokens == 1 for s in self.running)
+        prompt_budget = min(budget, cap) if decoding and cap is not None else budget
+
         # running first: decodes and the remaining chunks of partly prefilled prompts
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            n = min(remaining, budget) if remaining == 1 else min(remaining, budget, prompt_budget)
+            if n == 0:  # a prompt chunk with no room left this step: it waits for the next
+                i += 1
+                continue
             while not self.block_manager.allocate(seq, seq.num_computed_tokens + n):
                 victim = self.running.pop()  # the newest request gives way
                 self._preempt(victim)
@@ -77,13 +91,16 @@ class Scheduler:
                 break
             chosen.append((seq, n))
             budget -= n
+            if remaining > 1:
+                prompt_budget -= n
             i += 1
 
         # then waiting requests, first come first served, while blocks and budget allow
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+        while (self.waiting and budget > 0 and prompt_budget > 0 and len(self.running) < self.max_num_seqs
+               and not preempted):
             seq = self.waiting[0]
             prefix = self.block_manager.match_prefix(seq)
-            n = min(seq.num_tokens - prefix.num_tokens, budget)
+            n = min(seq.num_tokens - prefix.num_tokens, budget, prompt_budget)
             if not self.block_manager.allocate(seq, prefix.num_tokens + n, prefix):
                 break
             self.waiting.popleft()
@@ -97,6 +114,7 @@ class Scheduler:
             self.running.append(seq)
             chosen.append((seq, n))
             budget -= n
+            prompt_budget -= n
 
         chosen.sort(key=lambda item: item[1] != 1)  # stable: decodes first, order kept
         num_decodes = sum(1 for _, n in chosen if n == 1)

@@ -146,3 +146,41 @@ def test_finishing_again_replaces_the_reason_only() -> None:
     sched.finish(s, "stop", "###")  # a stop string in the last token's text wins
     assert (s.finish_reason, s.stop_reason) == ("stop", "###")
     assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+
+
+def test_beside_decodes_a_prompt_takes_what_keeps_their_gap_short() -> None:
+    """Step times set the cap: decode steps of 40 ms, and a prompt token that adds 5 ms, let a
+    step beside decodes take 2 x 40 / 5 = 16 prompt tokens (3x a decode step); without decodes
+    the prompt takes the whole budget."""
+    sched = _scheduler(num_blocks=128, budget=64)
+    sched.prefill_budget.min_tokens = 4
+    alone = _seq("alone", 100)
+    sched.add(alone)
+    assert _plan(_run(sched)) == [("alone", 64)]  # no step measured yet, no decodes: the budget
+    sched.prefill_budget.observe(64 * 0.005, prompt_tokens=64, decodes=0)
+    assert _plan(_run(sched)) == [("alone", 36)]  # still no decodes running: no cap
+    sched.prefill_budget.observe(0.040, prompt_tokens=0, decodes=1)
+    assert sched.prefill_budget.cap() == 16
+    late = Sequence("late", list(range(300, 400)), SamplingParams(max_tokens=100), (), 1000)  # no prefix hit
+    sched.add(late)
+    assert _plan(_run(sched)) == [("alone", 1), ("late", 16)]
+    # late in a long prompt each token costs more (more keys): the cap follows the running average
+    sched.prefill_budget.observe(0.040 + 16 * 0.020, prompt_tokens=16, decodes=1)
+    cap = sched.prefill_budget.cap()
+    assert cap is not None and 4 <= cap < 16
+    assert _plan(_run(sched)) == [("alone", 1), ("late", cap)]
+    sched.finish(alone, "abort")  # no decode left beside it: the prompt takes the whole budget again
+    assert _plan(_run(sched)) == [("late", 64)]
+
+
+def test_the_prefill_cap_needs_both_costs_and_never_stops_a_prompt() -> None:
+    from localllm.engine.step_budget import PrefillBudget
+
+    budget = PrefillBudget(min_tokens=16)
+    assert budget.cap() is None
+    budget.observe(0.04, prompt_tokens=0, decodes=3)
+    assert budget.cap() is None  # no prompt token seen yet
+    budget.observe(10.0, prompt_tokens=512, decodes=3)  # a very slow chunk
+    assert budget.cap() == 16  # the floor: the prompt still advances
+    budget.observe(0.0, prompt_tokens=0, decodes=0)  # an empty step changes nothing
+    assert budget.cap() == 16

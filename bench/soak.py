@@ -41,11 +41,11 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/peers.py: the server harness
 
 from peers import PeerError, Server, free_port, localllm_cmd  # noqa: E402  (sets the OpenMP defaults)
+from cpu_kernels import cpu_name  # noqa: E402
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import json  # noqa: E402
-import platform  # noqa: E402
 import random  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
@@ -319,16 +319,6 @@ async def prefill_probe(base: str, prompt_tokens: int, baseline_s: float) -> dic
         "max_over_median_before": round(max(during) / statistics.median(before), 1) if during and before else None,
         "stream_outlived_prefill": bool(stamps) and stamps[-1] >= first,
     }
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 async def run(opts: argparse.Namespace) -> dict[str, object]:

@@ -1,13 +1,18 @@
-"""Builds ``cpu_ops.cpp`` for the CPU at hand (``-march=native``) the first time it is needed,
-caches the library on disk and registers its ops as ``torch.ops.localllm_cpu.*``.
+"""Builds the C++ kernels of ``kernels/cpu/`` for the CPU at hand (``-march=native``) the first
+time they are needed, caches them on disk and registers their ops as ``torch.ops.localllm_cpu.*``.
 
-The build takes about a minute of g++ once per machine, torch version and source; later
-starts load the cached library in milliseconds, whichever install (venv, pipx) they run
-from. One process builds at a time (an flock in the cache; the others wait and say so), and
-a stopped or killed start takes its compiler down with it (see ``_WATCHED``). Without a C++
-compiler (``compiler()`` is the one answer to "can anything be compiled here", asked by the
-engine's torch.compile too) or with ``LOCALLLM_CPU_OPS=0``, ``load()`` returns False after
-one line, and callers keep the torch references.
+Each ``.cpp`` under ``kernels/cpu/`` is one translation unit, compiled by its own compiler
+process (as many at once as there are cores) into an object cached under the hash of its
+source, the headers, the flags, the CPU and the torch version; the objects are then linked
+into the library, which is cached under the hash of its objects' keys. So a cold build costs
+the longest file rather than the sum (~10 s instead of ~25 on 2 cores), and a change to one
+file recompiles only that file. Later starts load the cached library in milliseconds,
+whichever install (venv, pipx) they run from. One process builds at a time (an flock in the
+cache; the others wait and say so), and a stopped or killed start takes its compilers down
+with it (see ``_WATCHED``). Without a C++ compiler (``compiler()`` is the one answer to "can
+anything be compiled here", asked by the engine's torch.compile too) or with
+``LOCALLLM_CPU_OPS=0``, ``load()`` returns False after one line, and callers keep the torch
+references.
 
 The cache lives in ``compiled_cache_dir()``, not under ``LOCALLLM_HOME``: the library is built
 for one CPU and one torch, so it must not travel with a portable model store, and tests that
@@ -26,6 +31,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import platformdirs
@@ -36,8 +43,23 @@ try:
 except ImportError:  # Windows: no flock (and no build of these kernels either)
     fcntl = None  # type: ignore[assignment]
 
-SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+SOURCE_DIR = Path(__file__).with_name("cpu")
 _loaded: bool | None = None
+
+
+def translation_units() -> list[Path]:
+    """The files compiled one by one (every ``.cpp`` under ``kernels/cpu/``), sorted."""
+    return sorted(SOURCE_DIR.rglob("*.cpp"))
+
+
+def _headers() -> list[Path]:
+    return sorted(SOURCE_DIR.rglob("*.h"))
+
+
+def source_text() -> str:
+    """Every kernel source, in one string: what a measured choice or a saved graph that
+    depends on these kernels is keyed by."""
+    return "\0".join(f"{p.relative_to(SOURCE_DIR)}\0{p.read_text()}" for p in [*_headers(), *translation_units()])
 
 
 def compiled_cache_dir() -> Path:
@@ -59,7 +81,7 @@ def cpu_signature() -> str:
 
 
 FLAGS = (
-    "-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC", "-shared", "-std=c++17",
+    "-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC", "-std=c++17",
     # what lets the reductions vectorise, without -ffast-math: that links crtfastmath.o, which
     # sets flush-to-zero for the whole process when the library loads (subnormals vanish in
     # torch and everywhere else; hypothesis caught it)
@@ -102,16 +124,32 @@ def can_compile() -> bool:
     return False
 
 
-def _library_path() -> Path:
-    """Where the library for this CPU, torch and source lives. The key holds only what changes
-    the binary's meaning: not the compiler's path or version (any compiler's build is as good,
-    and a cached one loads where the compiler is gone) and no install path (the library links
-    torch's libraries by name, not by where one install keeps them), so every install of
-    one version on this machine (a venv, pipx, an editable checkout) shares one build."""
+def _key(*parts: str) -> str:
+    return hashlib.sha256(b"\0".join(p.encode() for p in parts)).hexdigest()[:16]
+
+
+def _object_keys() -> list[tuple[Path, str]]:
+    """Each translation unit with the key of its object: its own source, every header (a
+    header change recompiles every file; any one file's change, only that file), torch's
+    version and ABI, the CPU and the flags. Not the compiler's path or version (any
+    compiler's build is as good, and a cached one loads where the compiler is gone) and no
+    install path (the library links torch's libraries by name, not by where one install keeps
+    them), so every install of one version on this machine (a venv, pipx, an editable
+    checkout) shares one build."""
     abi = str(int(torch._C._GLIBCXX_USE_CXX11_ABI))
-    parts = (SOURCE.read_text(), torch.__version__, cpu_signature(), abi, *FLAGS)
-    key = hashlib.sha256(b"\0".join(s.encode() for s in parts)).hexdigest()[:16]
+    headers = "\0".join(f"{p.relative_to(SOURCE_DIR)}\0{p.read_text()}" for p in _headers())
+    common = (headers, torch.__version__, cpu_signature(), abi, *FLAGS)
+    return [(tu, _key(str(tu.relative_to(SOURCE_DIR)), tu.read_text(), *common)) for tu in translation_units()]
+
+
+def _library_path() -> Path:
+    """Where the library for this CPU, torch and source lives: keyed by its objects' keys."""
+    key = _key(*(k for _, k in _object_keys()), *LINK_FLAGS)
     return compiled_cache_dir() / "cpu_ops" / key / "localllm_cpu_ops.so"
+
+
+def _object_dir() -> Path:
+    return compiled_cache_dir() / "cpu_ops" / "objects"
 
 
 # The compiler runs under this shell in a session of its own: the shell holds the read end of
@@ -133,6 +171,7 @@ exit "$s"
 """
 BUILD_PREFIX = ".build-"  # temp folders of builds in progress (or of killed ones)
 WAITING = "localllm: waiting for another localllm process building the CPU kernels"
+LINK_FLAGS = ("-shared", "-fopenmp")
 
 
 def _build(cxx: str, out: Path) -> None:
@@ -140,57 +179,111 @@ def _build(cxx: str, out: Path) -> None:
     ``out``'s folder (the kernel releases it when its holder dies, however it dies, so a
     killed builder's lock is taken over at once) and the others wait on it with one line,
     then find the library built. The holder first deletes the temp folders of builds that
-    were killed. The output appears by an atomic rename, never half-written."""
+    were killed. The objects it lacks are compiled in parallel (``_compile_objects``), then
+    linked; every output appears by an atomic rename, never half-written."""
     out.parent.mkdir(parents=True, exist_ok=True)
     with cache_lock(out.parent / ".lock", wait_message=WAITING):
         if out.exists():  # built by the process we waited for
             return
         _remove_stale_builds(out.parent)
-        print("localllm: building CPU kernels for this CPU (first run only, about a minute)",
+        units = _object_keys()
+        objects = _object_dir()
+        objects.mkdir(parents=True, exist_ok=True)
+        missing = [(tu, objects / f"{key}.o") for tu, key in units if not (objects / f"{key}.o").exists()]
+        what = f"{len(missing)} of {len(units)} files" if len(missing) < len(units) else f"{len(units)} files"
+        print(f"localllm: building CPU kernels for this CPU (first run only, ~10-30 s; {what})",
               file=sys.stderr, flush=True)
+        start = time.monotonic()
         tmp = Path(tempfile.mkdtemp(prefix=BUILD_PREFIX, dir=out.parent))
         try:
+            _compile_objects(cxx, missing, tmp)
             tmp_lib = tmp / out.name
-            _run_compiler([*_compile_command(cxx), "-o", str(tmp_lib)], tmp / "stderr.txt")
+            _run_compiler([*_link_command(cxx, [objects / f"{key}.o" for _, key in units]), "-o", str(tmp_lib)],
+                          tmp / "link.txt")
             os.replace(tmp_lib, out)  # atomic: a concurrent loader sees no half-written library
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+        print(f"localllm: CPU kernels built in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
+
+
+def _compile_objects(cxx: str, jobs: Sequence[tuple[Path, Path]], tmp: Path) -> None:
+    """Compiles each (source, object) pair, up to one compiler per core at once, longest
+    sources first (they set the critical path). Each object is written in ``tmp`` and renamed
+    into place when whole; a failure or an interrupt kills the compilers still running (their
+    whole groups) and raises."""
+    pending = sorted(jobs, key=lambda j: -j[0].stat().st_size)
+    width = max(1, min(len(pending), os.cpu_count() or 1))
+    running: list[tuple[subprocess.Popen[bytes], list[str], Path, Path]] = []
+    try:
+        while pending or running:
+            while pending and len(running) < width:
+                src, obj = pending.pop(0)
+                cmd = [*_compile_command(cxx), "-c", str(src), "-o", str(tmp / obj.name)]
+                log = tmp / f"{obj.stem}.txt"
+                running.append((_start_compiler(cmd, log), cmd, obj, log))
+            done = next((job for job in running if job[0].poll() is not None), None)
+            if done is None:
+                time.sleep(0.02)
+                continue
+            running.remove(done)
+            proc, cmd, obj, log = done
+            _finish_compiler(proc, log, cmd)
+            os.replace(tmp / obj.name, obj)  # atomic: a concurrent build never links half an object
+    except BaseException:
+        for proc, *_ in running:
+            _kill_group(proc.pid)
+            proc.wait()
+            assert proc.stdin is not None
+            proc.stdin.close()
+        raise
 
 
 def _compile_command(cxx: str) -> list[str]:
+    """The compiler and its flags for one translation unit (``-c src -o obj`` follow)."""
     torch_dir = Path(torch.__file__).parent
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    # no -rpath to this install's torch: the library is loaded into a process that has
-    # already loaded libc10/libtorch_cpu, which the dynamic linker matches by name, and a
-    # path baked in would tie a shared build to one install
     return [
         *shlex.split(cxx), *FLAGS,
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         "-I", str(torch_dir / "include"), "-I", str(torch_dir / "include" / "torch" / "csrc" / "api" / "include"),
-        str(SOURCE), "-L", str(torch_dir / "lib"), "-lc10", "-ltorch_cpu",
     ]  # fmt: skip
 
 
-def _run_compiler(cmd: list[str], log: Path) -> None:
-    """Runs ``cmd`` under the watcher (``_WATCHED``); raises RuntimeError with the compiler's
-    last line when it fails. On any exception here (KeyboardInterrupt included) the group is
-    killed before it propagates."""
-    with open(log, "w+") as err:
-        proc = subprocess.Popen(["sh", "-c", _WATCHED, "sh", *cmd], stdin=subprocess.PIPE, stdout=err,
+def _link_command(cxx: str, objects: Sequence[Path]) -> list[str]:
+    # no -rpath to this install's torch: the library is loaded into a process that has
+    # already loaded libc10/libtorch_cpu, which the dynamic linker matches by name, and a
+    # path baked in would tie a shared build to one install
+    torch_dir = Path(torch.__file__).parent
+    return [*shlex.split(cxx), *LINK_FLAGS, *map(str, objects), "-L", str(torch_dir / "lib"), "-lc10", "-ltorch_cpu"]
+
+
+def _start_compiler(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
+    """Starts ``cmd`` under the watcher (``_WATCHED``), its output to ``log``."""
+    with open(log, "w") as err:
+        return subprocess.Popen(["sh", "-c", _WATCHED, "sh", *cmd], stdin=subprocess.PIPE, stdout=err,
                                 stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            code = proc.wait()
-        except BaseException:
-            _kill_group(proc.pid)
-            proc.wait()
-            raise
-        finally:
-            assert proc.stdin is not None
-            proc.stdin.close()
-        if code != 0:
-            err.seek(0)
-            last = (err.read().strip().splitlines() or [f"exit status {code}"])[-1]
-            raise RuntimeError(f"{cmd[0]} failed: {last}")
+
+
+def _finish_compiler(proc: subprocess.Popen[bytes], log: Path, cmd: Sequence[str]) -> None:
+    """Waits for a started compiler; raises RuntimeError with its last line when it failed.
+    On any exception here (KeyboardInterrupt included) its group is killed first."""
+    try:
+        code = proc.wait()
+    except BaseException:
+        _kill_group(proc.pid)
+        proc.wait()
+        raise
+    finally:
+        assert proc.stdin is not None
+        proc.stdin.close()
+    if code != 0:
+        last = (log.read_text(errors="replace").strip().splitlines() or [f"exit status {code}"])[-1]
+        raise RuntimeError(f"{cmd[0]} failed: {last}")
+
+
+def _run_compiler(cmd: list[str], log: Path) -> None:
+    """Runs ``cmd`` under the watcher to its end (``_finish_compiler``)."""
+    _finish_compiler(_start_compiler(cmd, log), log, cmd)
 
 
 def _kill_group(pgid: int) -> None:
@@ -345,17 +438,18 @@ def _register_fakes() -> None:
     """Shapes for torch.compile, which traces through these ops without running them."""
 
     @torch.library.register_fake("localllm_cpu::paged_attention")
-    def _(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, max_q, max_splits=0):  # type: ignore[no-untyped-def]
+    def _(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, max_q, max_splits=0, window=0):  # type: ignore[no-untyped-def]
         return torch.empty_like(q)
 
     if hasattr(torch.ops.localllm_cpu, "gguf_linear"):  # built on x86-64-v3 only
 
         @torch.library.register_fake("localllm_cpu::gguf_linear")
-        def _(x, codes, d, c, type, levels):  # type: ignore[no-untyped-def]
-            return x.new_empty(x.shape[0], codes.shape[0] * 8)
+        def _(x, packed, type, levels):  # type: ignore[no-untyped-def]
+            return x.new_empty(x.shape[0], packed[0].shape[0] * 8)
 
         @torch.library.register_fake("localllm_cpu::gguf_dequantize")
-        def _(codes, d, c, type, dtype):  # type: ignore[no-untyped-def]
+        def _(packed, type, dtype):  # type: ignore[no-untyped-def]
+            codes = packed[0]
             return codes.new_empty(codes.shape[0] * 8, codes.shape[1] * 32, dtype=dtype)
 
     @torch.library.register_fake("localllm_cpu::topk_indices")

@@ -1,9 +1,11 @@
-"""Choices this machine's timings make (which kernel runs a GEMM, hence which precision the
-plan takes), measured once per machine and kept on disk.
+"""Choices this machine's timings make between kernels, measured once per machine and kept
+on disk.
 
-A timing taken at every start lets the load of that moment pick the plan: a start next to a
-busy program once chose bf16 over the GGUF kernel and gave another greedy text and a
-200-second compile. So a choice is measured the first time a machine needs it and stored in
+A timing taken at every start lets the load of that moment pick: a start next to a busy
+program once chose bf16 over the GGUF kernel and gave another greedy text and a 200-second
+compile. What a plan holds is therefore never timed: a GGUF file whose types the CPU kernels
+take always keeps its blocks (localllm/quant/gguf_modules.py decides by type, from the traits
+table). A choice that only a timing can make is measured the first time a machine needs it and stored in
 ``compiled_cache_dir()/measured.json`` with what it depends on (the CPU's signature, the torch
 version, the C++ kernels' source, and the caller's own inputs); later starts read it and
 measure nothing. It is measured again only when one of those changes, or on request
@@ -57,7 +59,7 @@ def remeasure_requested() -> bool:
 def machine_key(depends_on: Sequence[str]) -> str:
     """What a stored choice is valid for: this CPU, this torch, these kernels and the caller's
     inputs (shapes, types, settings that change what is timed)."""
-    parts = (cpu_ops.cpu_signature(), torch.__version__, cpu_ops.SOURCE.read_text(), *depends_on)
+    parts = (cpu_ops.cpu_signature(), torch.__version__, cpu_ops.source_text(), *depends_on)
     return hashlib.sha256(b"\0".join(p.encode() for p in parts)).hexdigest()[:24]
 
 

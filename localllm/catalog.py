@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from localllm.errors import LocalLLMError
+from localllm.models.config import architecture_supported
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -73,6 +74,13 @@ class CatalogEntry:
     # Published GGUF file sizes in bytes by llama.cpp quantization name ("Q4_K_M"): what the
     # planner sizes a GGUF plan of this model by (hardware/sizing.py gguf_catalog_weights).
     gguf_sizes: dict[str, int] = field(default_factory=dict)
+    # Mixture of experts (Qwen3-MoE, gpt-oss; 0 = a dense model): every layer's MLP is
+    # ``num_experts`` experts of width ``moe_intermediate_size``, ``num_experts_per_tok`` of
+    # them run per token. The planner sizes memory by all of them and decode by those k
+    # (hardware/sizing.py); ``intermediate_size`` stays config.json's value.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
 
 
 _cache: dict[Path, dict[str, CatalogEntry]] = {}
@@ -209,7 +217,7 @@ def _parse_entry(path: Path, index: int, table: Any) -> CatalogEntry:
         id=entry_id,
         hf_repo=f.text("hf_repo"),
         architecture=f.text("architecture"),
-        supported=f.get("supported", bool),
+        supported=_supported(f),
         num_layers=f.positive("num_layers"),
         hidden_size=f.positive("hidden_size"),
         num_heads=num_heads,
@@ -226,7 +234,24 @@ def _parse_entry(path: Path, index: int, table: Any) -> CatalogEntry:
         config_source=f.text("config_source", default=""),
         sampling=_parse_sampling(f),
         gguf_sizes=_parse_gguf_sizes(f),
+        **_parse_experts(f),
     )
+
+
+def _parse_experts(f: _Fields) -> dict[str, int]:
+    """The three expert fields: all absent (dense) or all positive, k at most the experts."""
+    names = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+    given = [n for n in names if n in f.table]
+    if not given:
+        return {}
+    if len(given) != len(names):
+        missing = next(n for n in names if n not in given)
+        raise f.fail(missing, f"missing; a mixture-of-experts entry sets all of {', '.join(names)}")
+    values = {n: f.positive(n) for n in names}
+    if values["num_experts_per_tok"] > values["num_experts"]:
+        raise f.fail("num_experts_per_tok", f"{values['num_experts_per_tok']} is more than num_experts "
+                                            f"{values['num_experts']}")
+    return values
 
 
 def _parse_gguf_sizes(f: _Fields) -> dict[str, int]:
@@ -239,6 +264,16 @@ def _parse_gguf_sizes(f: _Fields) -> dict[str, int]:
             raise f.fail(f"gguf_sizes.{key}", f"expected a positive number of bytes, got {value!r}")
         sizes[key] = value
     return sizes
+
+
+def _supported(f: _Fields) -> bool:
+    """Whether the engine runs the entry's architecture: the model registry says (a
+    ``supported`` key, where an entry keeps one, must agree)."""
+    supported = architecture_supported(f.text("architecture"))
+    stated = f.get("supported", bool, default=None)
+    if stated is not None and stated != supported:
+        raise f.fail("supported", f"{stated} disagrees with the engine's registry ({supported}); drop the key")
+    return supported
 
 
 def _parse_sampling(f: _Fields) -> dict[str, float | int]:

@@ -182,7 +182,8 @@ def _import_local(path: Path, progress: PullProgress | None = None) -> Path:
     if done is not None:
         _say(f"{path} is already in the store: {done}")
         return done
-    from localllm.models.loader import gguf_shards, open_checkpoint
+    from localllm.models.formats import open_checkpoint
+    from localllm.models.gguf_file import gguf_shards
 
     open_checkpoint(path)  # refuse to import something that would not load
     folder.mkdir(parents=True, exist_ok=True)

@@ -19,6 +19,12 @@ names = set(zipfile.ZipFile(sys.argv[1]).namelist())
 for need in ("localllm/models.toml", "localllm/kernels/paged_attention.py", "localllm/cli.py"):
     assert need in names, f"{need} missing from the wheel"
 assert not any(n.startswith("kernels/") for n in names), "kernels/ must ship only as localllm.kernels"
+# the C++ kernels are compiled on the user's machine: every source and header must ship
+import pathlib
+cpu = pathlib.Path("kernels/cpu")
+for src in sorted([*cpu.rglob("*.cpp"), *cpu.rglob("*.h")]):
+    need = f"localllm/{src.as_posix()}"
+    assert need in names, f"{need} missing from the wheel"
 print(f"wheel ok: {len(names)} files")
 PY
 

@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 JSON_SCHEMA_VERSION = 1
 TABLE_CONTEXT = 8192  # the "chats at 8K" column
 PROBE_QUANTS = ("awq", "fp8", "int8", "gguf")
-# What the probe says a GGUF plan on the CPU runs on (the engine measures its choice at load).
+# What the probe says a GGUF plan on the CPU runs on, for a catalog model's Q4_K_M (a file's
+# own types are named from its tensors, as the engine names them at load).
 CPU_GGUF_WHY = "gguf: the file's blocks as stored, on localllm's CPU kernels"
 
 
@@ -40,6 +41,7 @@ class _Model:
     max_context: int
     dims: ModelDims
     gguf: GGUFWeights | None = None  # a file's tensors, or the catalog's Q4_K_M with --quant gguf
+    gguf_why: str = CPU_GGUF_WHY  # a file's: each stored type and what runs it on the CPU
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -165,17 +167,20 @@ def _catalog_model(entry: CatalogEntry, quant: str | None) -> _Model:
 
 def _gguf_file_model(path: Path, quant: str | None) -> _Model:
     """A user's GGUF file: its dims from the metadata, its weights from its tensors' real types."""
-    from localllm.hardware.sizing import count_params, gguf_weights_from_file
-    from localllm.models.loader import open_checkpoint
+    from localllm.hardware.sizing import count_params
+    from localllm.models.formats import open_checkpoint
+    from localllm.models.gguf_file import gguf_weights_from_file
+    from localllm.quant.gguf_modules import reason_line
 
     if quant not in (None, "gguf"):
         raise LocalLLMError(f"--quant {quant} with a .gguf file: the file's blocks are planned as they are;"
                             " leave --quant out")
     if not path.is_file():
         raise LocalLLMError(f"{path}: no such file; --model takes a catalog id or a .gguf file")
-    cfg = open_checkpoint(path).config
+    ckpt = open_checkpoint(path)
+    cfg = ckpt.config
     return _Model(path.name, str(path), cfg.architecture, True, count_params(cfg), cfg.max_context, cfg,
-                  gguf_weights_from_file(path))
+                  gguf_weights_from_file(path), reason_line(ckpt.block_types, cfg.tie_word_embeddings))
 
 
 def _with_vram_used(hw: Hardware, used_gib: float) -> Hardware:
@@ -230,7 +235,7 @@ def _row(
     try:
         p = plan(entry, hw, context=args.context, chats=args.chats, quant=quant, name=model.id,
                  gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_dtype=args.kv_cache_dtype,
-                 gguf=model.gguf, cpu_gguf=CPU_GGUF_WHY if gguf_on_cpu else None)
+                 gguf=model.gguf, cpu_gguf=model.gguf_why if gguf_on_cpu else None)
     except DoesNotFit as e:
         # Report the smallest precision's footprint: that is what did not fit.
         gpu = hw.gpu

@@ -24,7 +24,9 @@ memory the plan did not count.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import Any
 
 from localllm.errors import LocalLLMError
@@ -112,9 +114,13 @@ def precision_label(weight_dtype: str, quant: str | None = None) -> str:
     return _LABELS.get(weight_dtype, weight_dtype)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Plan:
-    """What the engine should build. Byte figures are predictions the engine can check."""
+    """What the engine should build. Byte figures are predictions the engine can check.
+
+    Immutable: ``plan()`` is its one writer, and every field, ``reasons`` and ``reserve``
+    included, is read-only after it. What loading decides beyond the plan travels on the
+    ``LoadedModel`` (``notes``), not here."""
 
     model: str
     device: str  # "cuda" or "cpu"
@@ -136,12 +142,12 @@ class Plan:
     budget_bytes: int
     kv_capacity_tokens: int  # tokens the budget could hold at this precision (>= the pool)
     decode_read_bytes: int  # weight bytes one decode step reads
-    reasons: list[str]
+    reasons: tuple[str, ...]
     # GPU only (0 on CPU). What other processes held when planned (total - free), the engine's
     # transients kept free beside the plan (item -> bytes), and the margin for the desktop:
     # free VRAM - total_bytes >= reserve_bytes + margin_bytes.
     others_bytes: int = 0
-    reserve: dict[str, int] = field(default_factory=dict)
+    reserve: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     margin_bytes: int = 0
     # False: no room was kept to time a quantized GEMM's torch candidate; the engine should
     # run the Triton kernel without measuring (LOCALLLM_GEMM_BACKEND=triton does the same).
@@ -680,9 +686,9 @@ def plan(
         budget_bytes=chosen.budget,
         kv_capacity_tokens=chosen.capacity,
         decode_read_bytes=decode_read_bytes(model, chosen.rung.weight_dtype, chosen.rung.quant, gguf),
-        reasons=reasons,
+        reasons=tuple(reasons),
         others_bytes=t.others,
-        reserve=dict(chosen.reserve),
+        reserve=MappingProxyType(dict(chosen.reserve)),
         margin_bytes=t.margin,
         time_gemm_candidates=chosen.candidate or chosen.rung.quant not in CANDIDATE_BYTES_PER_WEIGHT,
     )

@@ -9,21 +9,23 @@ and the catalog cannot drift apart silently (a test holds them within 2%).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Protocol
 
 from localllm.errors import LocalLLMError
+from localllm.models.config import ModelConfig
+from localllm.quant import gguf_formats
 from localllm.quant.groups import GROUP_SIZES, pick_group_size
 
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 QUANTS: tuple[str, ...] = ("fp8", "int8", "awq", "gguf")
-# "gguf": a GGUF file's blocks as they are. Sized from the file's tensors when the planner is
-# given them (GGUFWeights: each tensor's stored bytes), else as Q4_1 block linears (20 bytes
-# per 32 weights, the default model's) and a Q8_0 head (34 per 32); either way beside the
-# float embedding the lookup reads.
-GGUF_LINEAR_BYTES_PER_WEIGHT = 20 / 32
-GGUF_HEAD_BYTES_PER_WEIGHT = 34 / 32
+# "gguf": a GGUF file's blocks as they are, the embedding lookup reading blocks too (the tied
+# head's or its own). Sized from the file's tensors when the planner is given them
+# (GGUFWeights: each tensor's stored bytes, a type without a CPU kernel at its fallback's),
+# else as Q4_1 block linears (the default model's) and a Q8_0 embedding/head.
+GGUF_LINEAR_BYTES_PER_WEIGHT = gguf_formats.fmt("Q4_1").bits_per_weight / 8
+GGUF_HEAD_BYTES_PER_WEIGHT = gguf_formats.fmt("Q8_0").bits_per_weight / 8
 # KV cache storage: the float dtypes, or FP8 e4m3 with per-tensor scales ("fp8").
 KV_DTYPE_BYTES: dict[str, int] = {**DTYPE_BYTES, "fp8": 1}
 # What --kv-cache-dtype accepts (vLLM's names): auto = the planner's choice.
@@ -74,10 +76,21 @@ class ParamCounts:
     embedding: int
     lm_head: int  # 0 when tied to the embedding
     norms: int
+    # Mixture of experts: the routers and every expert (with biases), which no quantization
+    # method here shrinks, and of them what one token skips (the E - k experts it is not routed to)
+    experts: int = 0
+    inactive_experts: int = 0
 
     @property
     def total(self) -> int:
-        return self.block_linear + self.embedding + self.lm_head + self.norms
+        return self.block_linear + self.embedding + self.lm_head + self.norms + self.experts
+
+
+def expert_dims(m: ModelDims) -> tuple[int, int, int]:
+    """(experts, experts per token, expert width) of a mixture-of-experts model; (0, 0, 0)
+    for a dense one (dims objects without the fields are dense)."""
+    return (getattr(m, "num_experts", 0) or 0, getattr(m, "num_experts_per_tok", 0) or 0,
+            getattr(m, "moe_intermediate_size", 0) or 0)
 
 
 def _matrices(m: ModelDims) -> list[tuple[int, int]]:
@@ -85,6 +98,8 @@ def _matrices(m: ModelDims) -> list[tuple[int, int]]:
     h, i = m.hidden_size, m.intermediate_size
     q = m.num_heads * m.head_dim
     kv = m.num_kv_heads * m.head_dim
+    if expert_dims(m)[0]:  # the MLP is the experts, counted apart (ParamCounts.experts)
+        return [(h, q), (h, kv), (h, kv), (q, h)]
     return [(h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)]
 
 
@@ -114,6 +129,8 @@ def param_counts(m: ModelDims) -> ParamCounts:
     # Two RMSNorms per block and a final one; biases and Qwen3's q/k norms are a rounding
     # error (under 0.01%) and are left out.
     norms = m.num_layers * 2 * m.hidden_size + m.hidden_size
+    experts, k, width = expert_dims(m)
+    expert = 3 * m.hidden_size * width  # gate, up, down (gpt-oss's biases are under 0.1%)
     return ParamCounts(
         block_linear=m.num_layers * per_layer,
         block_rows=m.num_layers * rows,
@@ -122,6 +139,8 @@ def param_counts(m: ModelDims) -> ParamCounts:
         embedding=embedding,
         lm_head=0 if m.tie_word_embeddings else embedding,
         norms=norms,
+        experts=m.num_layers * experts * (expert + m.hidden_size),  # + the router's row per expert
+        inactive_experts=m.num_layers * (experts - k) * expert,
     )
 
 
@@ -145,17 +164,17 @@ def weight_bytes(m: ModelDims, weight_dtype: str = "bfloat16", quant: str | None
     if quant == "gguf" and gguf is not None:
         return gguf.memory_bytes(m, b)
     c = param_counts(m)
-    rest = (c.embedding + c.lm_head + c.norms) * b
+    rest = (c.embedding + c.lm_head + c.norms + c.experts) * b
     if quant is None:
         return c.block_linear * b + rest
     if quant in ("fp8", "int8"):
         return c.block_linear + c.block_rows * CHANNEL_SCALE_BYTES + rest
     if quant == "awq":
         return int(c.block_linear / 2 + c.awq_groups * (AWQ_SCALE_BYTES + AWQ_ZERO_BYTES)) + rest
-    if quant == "gguf":
-        head = c.lm_head or c.embedding  # the head runs on its own blocks, tied or not
-        return int(c.block_linear * GGUF_LINEAR_BYTES_PER_WEIGHT + head * GGUF_HEAD_BYTES_PER_WEIGHT) + (
-            c.embedding + c.norms) * b
+    if quant == "gguf":  # blocks for the linears, the head and the embedding (one table when tied)
+        # (a mixture of experts' experts are held dequantized, in the float dtype: models/moe.py)
+        return int(c.block_linear * GGUF_LINEAR_BYTES_PER_WEIGHT
+                   + (c.embedding + c.lm_head) * GGUF_HEAD_BYTES_PER_WEIGHT) + (c.norms + c.experts) * b
     raise ValueError(f"unknown quantization {quant!r}; use one of {', '.join(QUANTS)}")
 
 
@@ -163,22 +182,39 @@ def decode_read_bytes(m: ModelDims, weight_dtype: str = "bfloat16", quant: str |
                       gguf: GGUFWeights | None = None) -> int:
     """Weight bytes one decode step reads. An untied embedding table is only indexed (one row);
     a tied one is read in full as the lm_head."""
-    total = weight_bytes(m, weight_dtype, quant, gguf)
-    if quant == "gguf":  # the float embedding is only indexed; the head has its own blocks
-        return total - (m.vocab_size - 1) * m.hidden_size * DTYPE_BYTES[weight_dtype]
+    total = weight_bytes(m, weight_dtype, quant, gguf) - _inactive_expert_bytes(m, weight_dtype, quant, gguf)
     if m.tie_word_embeddings:
         return total
+    if quant == "gguf":  # an untied embedding's blocks are only indexed
+        table = gguf.embedding_memory if gguf is not None else int(
+            m.vocab_size * m.hidden_size * GGUF_HEAD_BYTES_PER_WEIGHT)
+        return total - table
     b = DTYPE_BYTES[weight_dtype]
     return total - (m.vocab_size - 1) * m.hidden_size * b
 
 
+def _inactive_expert_bytes(m: ModelDims, weight_dtype: str, quant: str | None, gguf: GGUFWeights | None) -> int:
+    """The bytes of the experts one token is not routed to, which a decode step of one
+    sequence does not read (a batch reads the union of its tokens' experts: more)."""
+    experts, k, _ = expert_dims(m)
+    if not experts:
+        return 0
+    if quant == "gguf" and gguf is not None:
+        return gguf.expert_memory(DTYPE_BYTES[weight_dtype]) * (experts - k) // experts
+    return param_counts(m).inactive_experts * DTYPE_BYTES[weight_dtype]
+
+
 def kv_bytes_per_token(m: ModelDims, kv_dtype: str = "bfloat16") -> int:
-    """2 (K and V) x layers x KV heads x head dim x bytes of the KV dtype (a float dtype or
-    "fp8"; the FP8 scales are two floats per layer, not per token)."""
+    """2 (K and V) x KV heads x head dim x bytes of the KV dtype (a float dtype or "fp8"; the
+    FP8 scales are two floats per layer, not per token), summed over the layers: each layer's
+    own shape where the dims state them (a ModelConfig's ``kv_spec()``), else every layer alike.
+    A windowed layer counts every token: the pool keeps the blocks outside its window."""
     try:
         b = KV_DTYPE_BYTES[kv_dtype]
     except KeyError:
         raise ValueError(f"unknown KV dtype {kv_dtype!r}; use one of {', '.join(KV_DTYPE_BYTES)}") from None
+    if isinstance(m, ModelConfig):
+        return int(sum(spec.bytes_per_token(b) for spec in m.kv_spec()))
     return 2 * m.num_layers * m.num_kv_heads * m.head_dim * b
 
 
@@ -219,38 +255,38 @@ def largest_matrix(m: ModelDims) -> tuple[str, int, int]:
 
 # --- GGUF files: sized from their tensors -------------------------------------------------------
 
-# llama.cpp's K-quants pack 256 weights a block along a row; a row of another length falls back to
-# a 32-weight type of about the same size (llama-quant.cpp's fallback): what a Q4_K_M of a model
-# with 576-wide rows (SmolLM2) holds instead.
-_K_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
-
-
 def gguf_type_bytes(type_name: str, weights: int) -> int:
-    """Stored bytes of ``weights`` values of a ggml type ("Q4_K", "F32", ...), from the gguf
-    package's own block table (block size, bytes per block)."""
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    try:
-        block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
-    except KeyError:
-        raise ValueError(f"unknown GGUF tensor type {type_name!r}") from None
-    return -(-weights // block) * size
+    """Stored bytes of ``weights`` values of a ggml type ("Q4_K", "F32", ...), from the traits
+    table (localllm.quant.gguf_formats). Raises ValueError for a type it lacks."""
+    return gguf_formats.fmt(type_name).nbytes(weights)
 
 
 @dataclass(frozen=True, slots=True)
 class GGUFWeights:
     """A GGUF checkpoint's weights as stored: what a "gguf" plan keeps in memory.
 
-    Invariant: ``tensor_bytes`` is the sum of every tensor's stored bytes (for a file, the
-    GGUFReader's ``n_bytes``; the file is that plus its metadata). In memory the embedding
-    lookup reads a float copy of ``token_embd``; the file's ``token_embd`` blocks stay only
-    as the tied head (``memory_bytes``).
+    Invariant: ``tensor_bytes`` is the sum of every tensor's stored bytes (for a file, the sum
+    over its tensor headers; the file is that plus its metadata). In memory every tensor keeps
+    its blocks, ``token_embd`` serving the embedding lookup (and the head, when tied), except
+    that a type localllm's CPU kernels do not take is held at ``gguf_formats.FALLBACK``'s size
+    (``memory_bytes``).
     """
 
     tensor_bytes: int
     embedding_bytes: int  # token_embd as stored
     types: tuple[tuple[str, int], ...]  # (ggml type name, stored bytes), most bytes first
     source: str  # what it was sized from, for the plan's reason: the file, the catalog or the dims
+    embedding_type: str = "Q8_0"
+    # the stacked expert tensors (``*_exps``, by type: stored bytes), held dequantized in the
+    # float dtype (models/moe.py has no block kernel)
+    expert_types: tuple[tuple[str, int], ...] = ()
+
+    def expert_weights(self) -> int:
+        return sum(n // gguf_formats.fmt(t).block_bytes * gguf_formats.fmt(t).block_weights
+                   for t, n in self.expert_types)
+
+    def expert_memory(self, float_bytes: int) -> int:
+        return self.expert_weights() * float_bytes
 
     @property
     def label(self) -> str:
@@ -258,30 +294,41 @@ class GGUFWeights:
         total = max(1, self.tensor_bytes)
         return " + ".join(f"{name} {100 * n / total:.0f}%" for name, n in self.types if 100 * n / total >= 0.5)
 
+    @staticmethod
+    def _in_memory(type_name: str, stored: int) -> int:
+        f = gguf_formats.fmt(type_name)
+        if f.is_float or f.cpu_kernel:
+            return stored
+        weights = stored // f.block_bytes * f.block_weights
+        return gguf_formats.fmt(gguf_formats.FALLBACK).nbytes(weights)
+
+    @property
+    def embedding_memory(self) -> int:
+        return self._in_memory(self.embedding_type, self.embedding_bytes)
+
     def memory_bytes(self, m: ModelDims, float_bytes: int) -> int:
-        """Stored tensors, less ``token_embd``'s blocks when the model has its own head, plus
-        the float embedding table (``float_bytes`` a value)."""
-        blocks = self.tensor_bytes - (0 if m.tie_word_embeddings else self.embedding_bytes)
-        return blocks + m.vocab_size * m.hidden_size * float_bytes
+        """Every tensor's blocks, a type without a CPU kernel at its fallback's size, and the
+        stacked experts dequantized to ``float_bytes`` each. (Float tensors, the norms, stay as
+        stored; ``m`` is unused since the embedding lookup reads blocks, and kept for the
+        callers' one signature.)"""
+        del m
+        experts = sum(self._in_memory(name, n) for name, n in self.expert_types)
+        return sum(self._in_memory(name, n) for name, n in self.types) - experts + self.expert_memory(float_bytes)
 
 
-def gguf_weights_from_file(path: str | os.PathLike[str]) -> GGUFWeights:
-    """Each tensor's real type and stored bytes, from the file's header (memory-mapped: the
-    weights are not read). Raises LocalLLMError for a file that is not GGUF."""
-    try:
-        from gguf import GGUFReader
-
-        reader = GGUFReader(path)
-    except Exception as e:  # noqa: BLE001 - the reader raises whatever a truncated or foreign file trips
-        raise LocalLLMError(f"{os.fspath(path)}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+def gguf_weights_from_tensors(tensors: Iterable[tuple[str, str, int]], source: str) -> GGUFWeights:
+    """``GGUFWeights`` from (GGUF tensor name, ggml type name, stored bytes) triples."""
     by_type: dict[str, int] = {}
-    embedding = 0
-    for t in reader.tensors:
-        by_type[t.tensor_type.name] = by_type.get(t.tensor_type.name, 0) + int(t.n_bytes)
-        if t.name == "token_embd.weight":
-            embedding = int(t.n_bytes)
+    experts: dict[str, int] = {}
+    embedding, embedding_type = 0, "Q8_0"
+    for name, type_name, n in tensors:
+        by_type[type_name] = by_type.get(type_name, 0) + n
+        if "_exps." in name:
+            experts[type_name] = experts.get(type_name, 0) + n
+        if name == "token_embd.weight":
+            embedding, embedding_type = n, type_name
     types = tuple(sorted(by_type.items(), key=lambda kv: -kv[1]))
-    return GGUFWeights(sum(by_type.values()), embedding, types, f"the tensors of {os.path.basename(path)}")
+    return GGUFWeights(sum(by_type.values()), embedding, types, source, embedding_type, tuple(experts.items()))
 
 
 def _more_bits(i: int, n: int) -> bool:
@@ -298,31 +345,41 @@ def gguf_q4_k_m_weights(m: ModelDims) -> GGUFWeights:
     over this estimate (within 1% of it for Llama-3.1-8B, tests/test_catalog.py)."""
     by_type: dict[str, int] = {}
 
-    def add(kind: str, rows: int, cols: int) -> int:
-        if kind in _K_FALLBACK and cols % 256:
-            kind = _K_FALLBACK[kind]
+    def add(kind: str, rows: int, cols: int) -> tuple[int, str]:
+        f = gguf_formats.fmt(kind)
+        if cols % f.block_weights and f.row_fallback:  # llama.cpp's type for rows not whole blocks
+            kind = f.row_fallback
         n = gguf_type_bytes(kind, rows * cols)
         by_type[kind] = by_type.get(kind, 0) + n
-        return n
+        return n, kind
 
     h, i = m.hidden_size, m.intermediate_size
     q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    experts, _, width = expert_dims(m)
+    expert_types: dict[str, int] = {}
     for layer in range(m.num_layers):
         more = _more_bits(layer, m.num_layers)
         add("Q4_K", q, h)  # attn_q: q rows of h weights
         add("Q4_K", kv, h)  # attn_k
         add("Q6_K" if more else "Q4_K", kv, h)  # attn_v
         add("Q4_K", h, q)  # attn_output
+        if experts:  # ffn_{gate,up,down}_exps: the same recipe over E stacked matrices; the router F32
+            for kind, rows, cols in (("Q4_K", width, h), ("Q4_K", width, h), ("Q6_K" if more else "Q4_K", h, width)):
+                n, kind = add(kind, experts * rows, cols)
+                expert_types[kind] = expert_types.get(kind, 0) + n
+            by_type["F32"] = by_type.get("F32", 0) + experts * h * 4
+            continue
         add("Q4_K", i, h)  # ffn_gate
         add("Q4_K", i, h)  # ffn_up
         add("Q6_K" if more else "Q4_K", h, i)  # ffn_down
-    embedding = add("Q6_K" if m.tie_word_embeddings else "Q4_K", m.vocab_size, h)
+    embedding, embedding_type = add("Q6_K" if m.tie_word_embeddings else "Q4_K", m.vocab_size, h)
     if not m.tie_word_embeddings:
         add("Q6_K", m.vocab_size, h)
     norms = (2 * m.num_layers + 1) * h * 4
     by_type["F32"] = by_type.get("F32", 0) + norms
     types = tuple(sorted(by_type.items(), key=lambda kv: -kv[1]))
-    return GGUFWeights(sum(by_type.values()), embedding, types, "llama.cpp's Q4_K_M recipe applied to the dims")
+    return GGUFWeights(sum(by_type.values()), embedding, types, "llama.cpp's Q4_K_M recipe applied to the dims",
+                       embedding_type, tuple(expert_types.items()))
 
 
 def gguf_catalog_weights(m: ModelDims, mix: str = "Q4_K_M") -> GGUFWeights:
@@ -338,5 +395,10 @@ def gguf_catalog_weights(m: ModelDims, mix: str = "Q4_K_M") -> GGUFWeights:
     # The published size includes the metadata (the tokenizer: a few MB), so it slightly
     # overstates the tensors: the safe side for a memory plan.
     scale = published / estimate.tensor_bytes
-    types = tuple((name, int(n * scale)) for name, n in estimate.types)
-    return GGUFWeights(published, int(estimate.embedding_bytes * scale), types, f"the published {mix} file size")
+    scaled = [(name, int(n * scale)) for name, n in estimate.types]
+    # what rounding each type down left over goes to the largest, so the types sum to the file
+    scaled[0] = (scaled[0][0], scaled[0][1] + published - sum(n for _, n in scaled))
+    types = tuple(scaled)
+    experts = tuple((name, int(n * scale)) for name, n in estimate.expert_types)
+    return GGUFWeights(published, int(estimate.embedding_bytes * scale), types, f"the published {mix} file size",
+                       estimate.embedding_type, experts)

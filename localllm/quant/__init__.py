@@ -18,25 +18,26 @@ from typing import Any
 
 # Importing the package must stay cheap: the CLI imports localllm.quant.cli to build its
 # parser, and `localllm --help` should not pay for torch. The API loads on first use.
-_API = (
-    "METHODS",
-    "QuantLinear",
-    "check_method",
-    "config_group_size",
-    "int4_group_size",
-    "make_quant_linear",
-    "prepare_for_checkpoint",
-    "prepare_online",
-    "quantize_model",
-    "weight_bytes",
-)
+# public name -> the submodule that defines it
+_API = {
+    "METHODS": "methods",
+    "QuantLinear": "methods",
+    "check_method": "methods",
+    "config_group_size": "methods",
+    "int4_group_size": "methods",
+    "make_quant_linear": "methods",
+    "prepare_for_checkpoint": "checkpoint",
+    "prepare_online": "methods",
+    "quantize_model": "methods",
+    "weight_bytes": "methods",
+}
 
 __all__ = list(_API)
 
 
 def __getattr__(name: str) -> Any:
     if name in _API:
-        from localllm.quant import methods
+        from localllm.quant import checkpoint, methods
 
-        return getattr(methods, name)
+        return getattr({"methods": methods, "checkpoint": checkpoint}[_API[name]], name)
     raise AttributeError(f"module 'localllm.quant' has no attribute {name!r}")

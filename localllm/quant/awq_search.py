@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from localllm.errors import LocalLLMError
 from localllm.models.llama import DecoderLayer, LlamaForCausalLM
 from localllm.quant.awq import fake_quant_int4
 from localllm.quant.forward import BLOCK_SIZE, blocks_for, device_of, prefill_batch
@@ -208,8 +209,12 @@ def awq_search(
     progress: Callable[[int, int], None] | None = None,
 ) -> None:
     """Rescales and clips ``model``'s float linears (and RMSNorm weights) for int4 with
-    ``group_size``, layer by layer, on the calibration token sequences ``calib``."""
+    ``group_size``, layer by layer, on the calibration token sequences ``calib``. Llama's
+    block only (two norms, SiLU MLP, plain embeddings): other families are refused."""
     cfg = model.config
+    if not isinstance(model, LlamaForCausalLM):
+        raise LocalLLMError(f"AWQ's scale search runs Llama-shaped blocks only, not {cfg.architecture}; "
+                            "use --quant rtn4 (round to nearest) or int8")
     dev = device_of(model)
     dtype = model.dtype
     limit = model.cos_sin.shape[0]  # rotary table rows: the longest sequence the model can run

@@ -22,9 +22,11 @@ from torch import nn
 
 from localllm.errors import LocalLLMError
 from localllm.models.llama import _STACKED, LlamaForCausalLM
-from localllm.models.loader import Checkpoint, save_hf_folder
+from localllm.models.checkpoint import Checkpoint
+from localllm.models.export import save_hf_folder
 from localllm.quant.awq import AWQLinear, awq_config, check_awq_config
-from localllm.quant.linear import QuantLinear, fused_sizes, iter_linears
+from localllm.quant.linear import QuantLinear, fused_sizes, iter_linears, replace_module
+from localllm.quant.methods import make_quant_linear
 
 _CT_FORMATS = ("float-quantized", "int-quantized", "naive-quantized")
 
@@ -42,6 +44,12 @@ def hf_shard_names(module_name: str, n_shards: int) -> list[str]:
 
 
 # ---------------------------------------------------------------- reading
+
+
+def prepare_for_checkpoint(model: nn.Module, quantization_config: dict[str, Any]) -> None:
+    """Swaps linears for the modules that load ``quantization_config``'s checkpoint layout."""
+    for name, module in plan_checkpoint_modules(model, quantization_config):
+        replace_module(model, name, module)
 
 
 def plan_checkpoint_modules(model: nn.Module, qcfg: dict[str, Any]) -> Iterator[tuple[str, QuantLinear]]:
@@ -113,8 +121,6 @@ def _ct_method(group_name: str, group: dict[str, Any], fmt: str | None) -> str:
 
 
 def _plan_compressed_tensors(model: nn.Module, qcfg: dict[str, Any]) -> Iterator[tuple[str, QuantLinear]]:
-    from localllm.quant.methods import make_quant_linear
-
     groups = qcfg.get("config_groups") or {}
     if not groups:
         raise LocalLLMError("config.json: compressed-tensors quantization_config has no config_groups")

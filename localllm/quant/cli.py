@@ -72,7 +72,8 @@ def run_quantize(args: argparse.Namespace) -> int:
     from localllm import store
     from localllm.errors import LocalLLMError
     from localllm.hardware.sizing import count_params
-    from localllm.models.loader import build_model, open_checkpoint
+    from localllm.models.formats import open_checkpoint
+    from localllm.models.loader import build_model
     from localllm.quant.checkpoint import save_quantized
     from localllm.quant.eval import DEFAULT_CALIB, calibration_samples
     from localllm.quant.methods import (

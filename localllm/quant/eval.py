@@ -26,7 +26,9 @@ import torch
 
 from localllm.errors import LocalLLMError
 from localllm.models.llama import LlamaForCausalLM
-from localllm.models.loader import Checkpoint, build_model, open_checkpoint
+from localllm.models.checkpoint import Checkpoint
+from localllm.models.formats import open_checkpoint
+from localllm.models.loader import build_model
 from localllm.quant.forward import KVSpec, greedy_generate, prefill_logits
 from localllm.quant.methods import (
     METHODS,

@@ -1,39 +1,83 @@
-"""GGUF's block formats as a linear, on CPU: Q4_0, Q4_1 and Q8_0 weights run as the file
-stores them, without a second rounding.
+"""GGUF's block formats as a linear, on CPU: every type the CPU kernels take (the traits
+table's ``cpu_kernel`` types, localllm.quant.gguf_formats: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
+Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4) runs as the file stores it, without a second rounding.
 
-Each output row is K/32 blocks of 32 weights with an fp16 scale ``d`` (and, for Q4_1, an
-fp16 minimum ``m``): ``w = d * q + m`` (Q4_1), ``d * (q - 8)`` (Q4_0), ``d * q`` (Q8_0). At
-load the blocks are repacked once (``gguf_repack``) into the tile layout the C++ kernel reads
-(``localllm.kernels.cpu_ops``: codes, ``d`` and the code-sum factor ``c``, all still the
-file's values), and the raw bytes are dropped. The kernel quantizes activations per 32-block
-to int8 and multiplies on integer dot products, as llama.cpp does.
+At load the file's blocks are repacked once (``gguf_repack``) into the layout the C++ kernels
+read (kernels/cpu/gguf/formats.h: 8-row tiles of 4-bit codes plus high-bit planes, or int8
+codes; the blocks' own sub-scales and fp16 fields beside them; ``PACKED`` below gives the
+sizes), all still the file's values in about the file's bytes, and the raw bytes are dropped.
+The kernels quantize activations per 32-block to int8 (two levels by default) and multiply
+on integer dot products, as llama.cpp does; ``gguf_dequantize`` gives back the gguf package's
+own dequantization bit for bit.
 
 A checkpoint tensor arrives either as raw blocks (``GGUFBlocks``, the file's bytes with the
-rows permuted as HF orders them) or, where the file's type is not one of these three or a
-fused module's shards disagree, as a float weight, which is quantized to this module's type
-here (``gguf.quants``, the reference implementation) and so rounded a second time; the loader
+rows permuted as HF orders them) or, where the file's type has no kernel or a fused module's
+shards disagree, as a float weight, which is quantized to this module's type here
+(``gguf.quants``, the reference implementation) and so rounded a second time; the loader
 says so in the plan's reason line.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch import nn
 
 from localllm.errors import LocalLLMError
-from localllm.kernels import cpu_ops, measured
+from localllm.kernels import cpu_ops
 from localllm.models import forward_context
-from localllm.quant.linear import QuantLinear, fused_sizes, iter_linears, replace_module
+from localllm.quant import gguf_formats as gf
+from localllm.quant.linear import QuantLinear
 
 Q4_0, Q4_1, Q8_0 = 2, 3, 8  # GGMLQuantizationType values
-BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
-TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
 TILE = 8  # output rows per kernel tile
+
+
+@dataclass(frozen=True, slots=True)
+class PackedLayout:
+    """Bytes per 8-row tile of one packed type (kernels/cpu/gguf/formats.h's Format<T>, which
+    ``gguf_repack`` checks shapes against): per 32-weight block, ``code_bytes`` of codes,
+    ``hi_bytes`` of high-bit planes and ``scale_bytes`` of 8-bit sub-scales; per ``super``
+    weights, ``d_halves`` fp16 fields."""
+
+    code_bytes: int
+    hi_bytes: int
+    scale_bytes: int
+    super: int
+    d_halves: int
+
+    def shapes(self, out_features: int, in_features: int) -> list[tuple[int, ...]]:
+        tiles, nb = out_features // TILE, in_features // 32
+        return [(tiles, nb, self.code_bytes), (tiles, nb, self.hi_bytes), (tiles, nb, self.scale_bytes),
+                (tiles, in_features // self.super, self.d_halves)]
+
+    def bits_per_weight(self) -> float:
+        return (self.code_bytes + self.hi_bytes + self.scale_bytes + 2 * self.d_halves * 32 / self.super) * 8 / 256
+
+
+PACKED: dict[str, PackedLayout] = {  # by the traits table's ``packed`` name
+    "q4 tile": PackedLayout(128, 0, 0, 32, 8),  # Q4_0, IQ4_NL: nibbles, d
+    "q4 m tile": PackedLayout(128, 0, 0, 32, 16),  # Q4_1: nibbles, d and m
+    "q5 tile": PackedLayout(128, 32, 0, 32, 8),  # Q5_0: nibbles + a 5th-bit plane, d
+    "q5 m tile": PackedLayout(128, 32, 0, 32, 16),  # Q5_1
+    "q8 tile": PackedLayout(256, 0, 0, 32, 8),  # Q8_0: int8 codes, d
+    "q4_k tile": PackedLayout(128, 0, 16, 256, 16),  # Q4_K: nibbles, 6-bit scale and min per 32, d and dmin per 256
+    "q5_k tile": PackedLayout(128, 32, 16, 256, 16),  # Q5_K
+    "q6_k tile": PackedLayout(128, 64, 16, 256, 8),  # Q6_K: nibbles + 2 bit planes, int8 scale per 16, d per 256
+    "iq4_xs tile": PackedLayout(128, 0, 8, 256, 8),  # IQ4_XS: table indices, scale - 32 per 32, d per 256
+    "mxfp4 tile": PackedLayout(128, 0, 8, 32, 0),  # MXFP4: table indices, E8M0 exponent per 32
+}
+
+
+def packed_layout(type_: int) -> PackedLayout:
+    """The packed layout of a kernel type; LocalLLMError for a type no kernel takes."""
+    f = gf.BY_ID.get(int(type_))
+    if f is None or f.packed is None:
+        kernel = ", ".join(gf.type_name(t) for t in sorted(gf.cpu_kernel_types()))
+        raise LocalLLMError(f"GGUF block type {gf.type_name(type_)} has no CPU kernel (these do: {kernel})")
+    return PACKED[f.packed]
 # Activations as two int8 levels (the second quantizes the first's remainder): ~14 bits, so
 # greedy tokens follow fp32 activations (max logit error 0.007 on the default model, against
 # 2.2 with llama.cpp's single int8 level). LOCALLLM_GGUF_ACT_LEVELS=1 trades that for speed.
@@ -55,7 +99,8 @@ class GGUFBlocks:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.data.shape[0], self.data.shape[1] // BLOCK_BYTES[self.type] * 32
+        f = gf.fmt(self.type)
+        return self.data.shape[0], self.data.shape[1] // f.block_bytes * f.block_weights
 
 
 def quantize_blocks(w: torch.Tensor, type_: int) -> torch.Tensor:
@@ -78,8 +123,8 @@ class GGUFLinear(QuantLinear):
     """One linear in a GGUF block type, fused shards concatenated by rows (a row's blocks are
     independent of every other row's, so fusion and the Q/K row permutation are byte moves).
 
-    Buffers after loading: ``codes`` uint8 ``[out/8, K/32, 128 or 256]``, ``d`` and ``c``
-    fp16 ``[out/8, K/32, 8]``; ``w = d * q + c`` per block (``c`` = m, -8d or 0).
+    Buffers after loading (``packed``, shapes from ``packed_layout``): ``codes``, ``hi`` and
+    ``scales`` uint8 ``[out/8, K/32, ...]``, ``d`` fp16 ``[out/8, K/super, ...]``.
     """
 
     method = "gguf"
@@ -94,27 +139,28 @@ class GGUFLinear(QuantLinear):
         bias: bool = False,
     ) -> None:
         super().__init__(in_features, out_features, output_sizes, bias, online=False)
-        if block_type not in BLOCK_BYTES:
-            raise LocalLLMError(f"GGUF block type {block_type} is not one of Q4_0, Q4_1, Q8_0")
-        if in_features % 32 or out_features % TILE:
+        layout = packed_layout(block_type)
+        fmt = gf.fmt(block_type)
+        if in_features % fmt.block_weights or in_features % layout.super or out_features % TILE:
             raise LocalLLMError(
-                f"a GGUF linear needs in_features % 32 == 0 and out_features % 8 == 0, got {in_features}->{out_features}"
+                f"a {fmt.name} linear needs in_features % {max(fmt.block_weights, layout.super)} == 0 and "
+                f"out_features % 8 == 0, got {in_features}->{out_features}"
             )
         self.block_type = block_type
         # rows of one prompt chunk from which the weight is expanded for a dense GEMM; the
         # deterministic mode raises it past any chunk, so every row takes the integer kernel
         self.dense_rows = DENSE_ROWS
         self._raw: torch.Tensor | None = None  # the file's blocks while shards arrive (CPU)
-        tiles, nb = out_features // TILE, in_features // 32
-        self.register_buffer("codes", torch.empty(tiles, nb, 256 if block_type == Q8_0 else 128, dtype=torch.uint8))
-        self.register_buffer("d", torch.empty(tiles, nb, TILE, dtype=torch.float16))
-        self.register_buffer("c", torch.empty(tiles, nb, TILE, dtype=torch.float16))
+        shapes = layout.shapes(out_features, in_features)
+        for name, shape in zip(("codes", "hi", "scales"), shapes):
+            self.register_buffer(name, torch.empty(shape, dtype=torch.uint8))
+        self.register_buffer("d", torch.empty(shapes[3], dtype=torch.float16))
 
     # ---- loading ----
 
     def _raw_blocks(self) -> torch.Tensor:
         if self._raw is None:
-            row_bytes = self.in_features // 32 * BLOCK_BYTES[self.block_type]
+            row_bytes = gf.fmt(self.block_type).row_bytes(self.in_features)
             self._raw = torch.empty(self.out_features, row_bytes, dtype=torch.uint8)
         return self._raw
 
@@ -123,8 +169,8 @@ class GGUFLinear(QuantLinear):
         if isinstance(tensor, GGUFBlocks):
             if tensor.type != self.block_type or tensor.shape != (n, self.in_features):
                 raise LocalLLMError(
-                    f"GGUF tensor {TYPE_NAMES.get(tensor.type, tensor.type)} {tensor.shape} does not fit a "
-                    f"{TYPE_NAMES[self.block_type]} linear shard of {n}x{self.in_features}"
+                    f"GGUF tensor {gf.type_name(tensor.type)} {tensor.shape} does not fit a "
+                    f"{gf.type_name(self.block_type)} linear shard of {n}x{self.in_features}"
                 )
             blocks = tensor.data
         else:
@@ -138,35 +184,21 @@ class GGUFLinear(QuantLinear):
     def _finish_loading(self) -> None:
         if not cpu_ops.has_gguf_kernels():
             raise LocalLLMError("GGUF block linears need localllm's CPU kernels (an x86-64-v3 CPU and a C++ compiler)")
-        codes, d, c = torch.ops.localllm_cpu.gguf_repack(self._raw_blocks(), self.block_type, self.in_features)
-        self.codes, self.d, self.c = codes, d, c
+        packed = torch.ops.localllm_cpu.gguf_repack(self._raw_blocks(), self.block_type, self.in_features)
+        self.codes, self.hi, self.scales, self.d = packed
         self._raw = None  # the packed copy holds the same values; keep one
 
     # ---- compute ----
 
     def dequantize(self) -> torch.Tensor:
-        """float32 ``[out, in]`` from the packed buffers: ``d * q + c`` per block."""
-        return self._dequantize_tiles(torch.arange(self.out_features // TILE)).reshape(self.out_features, -1)
+        """float32 ``[out, in]``: the gguf package's dequantization of the file's blocks."""
+        return torch.ops.localllm_cpu.gguf_dequantize(self.packed, self.block_type, torch.float32)
 
     def dequantize_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """float32 ``[len(rows), in]``: only the tiles that hold ``rows`` are unpacked."""
-        tiles = self._dequantize_tiles(rows // TILE)  # [R, 8, in]
-        return tiles[torch.arange(rows.numel()), rows % TILE]
-
-    def _dequantize_tiles(self, tiles: torch.Tensor) -> torch.Tensor:
-        codes, nb = self.codes[tiles], self.codes.shape[1]
-        n = tiles.numel()
-        if self.block_type == Q8_0:
-            # chunk p, byte 4r + j = weight 4p + j of tile row r
-            q = codes.view(torch.int8).view(n, nb, 8, TILE, 4).permute(0, 3, 1, 2, 4).float()
-        else:
-            # chunk p, byte 4r + j: weight 8p + j (low nibble) and 8p + 4 + j (high nibble)
-            raw = codes.view(n, nb, 4, TILE, 4)
-            q = torch.stack((raw & 15, raw >> 4), dim=3).permute(0, 4, 1, 2, 3, 5).float()
-        q = q.reshape(n, TILE, nb, 32)
-        d = self.d[tiles].permute(0, 2, 1).float().unsqueeze(-1)
-        c = self.c[tiles].permute(0, 2, 1).float().unsqueeze(-1)
-        return (q * d + c).reshape(n, TILE, self.in_features)
+        tiles = rows // TILE
+        dense = torch.ops.localllm_cpu.gguf_dequantize([p[tiles] for p in self.packed], self.block_type, torch.float32)
+        return dense.view(rows.numel(), TILE, self.in_features)[torch.arange(rows.numel()), rows % TILE]
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         # A row takes the dense GEMM only when its own prompt chunk is long: the integer
@@ -194,108 +226,24 @@ class GGUFLinear(QuantLinear):
             out[start : start + short] = self._integer(x[start : start + short])
         return out
 
+    @property
+    def packed(self) -> list[torch.Tensor]:
+        """The packed tensors the kernels take, in ``gguf_repack``'s order."""
+        return [self.codes, self.hi, self.scales, self.d]
+
     def _dense_weight(self) -> torch.Tensor:
         dtype = torch.bfloat16 if cpu_ops.fast_bf16() else torch.float32
-        return torch.ops.localllm_cpu.gguf_dequantize(self.codes, self.d, self.c, self.block_type, dtype)
+        return torch.ops.localllm_cpu.gguf_dequantize(self.packed, self.block_type, dtype)
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
         w = self._dense_weight()
         return torch.nn.functional.linear(x.to(w.dtype), w)
 
     def _integer(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.localllm_cpu.gguf_linear(x.float(), self.codes, self.d, self.c, self.block_type, ACT_LEVELS)
+        return torch.ops.localllm_cpu.gguf_linear(x.float(), self.packed, self.block_type, ACT_LEVELS)
 
     def shard_state(self, rows: slice) -> dict[str, torch.Tensor]:
         return {"weight": self.dequantize()[rows].contiguous()}
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, type={TYPE_NAMES[self.block_type]}"
-
-
-# our fused module -> the HF tensors it is made of, in shard order
-_SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-
-
-def plan_gguf_modules(model: nn.Module, block_types: dict[str, int], tied: bool) -> tuple[set[str], list[str]]:
-    """Swaps every linear of a meta-device model, lm_head included, for a GGUFLinear of the
-    block type its GGUF tensors have. Returns the HF tensor names to load as raw blocks, and
-    the modules that cannot keep the file's blocks (another block type, or fused shards of
-    different types) and are requantized to Q8_0 instead."""
-    raw: set[str] = set()
-    requantized: list[str] = []
-    for name, lin in list(iter_linears(model, skip=())):
-        prefix, _, leaf = name.rpartition(".")
-        if name == "lm_head":
-            shards = ["lm_head.weight"]
-            types = [block_types.get("model.embed_tokens.weight" if tied else "lm_head.weight")]
-        else:
-            shards = [f"{prefix}.{s}.weight" for s in _SHARDS.get(leaf, (leaf,))]
-            types = [block_types.get(s) for s in shards]
-        keep = len(set(types)) == 1 and types[0] in BLOCK_BYTES
-        block_type = types[0] if keep else Q8_0
-        if keep:
-            raw.update(shards)
-        else:
-            requantized.append(f"{name} ({'/'.join(sorted({str(t) for t in types}))})")
-        with torch.device("meta"):
-            new = GGUFLinear(lin.in_features, lin.out_features, block_type, fused_sizes(lin), lin.bias is not None)
-        replace_module(model, name, new)
-    return raw, requantized
-
-
-def measure_cpu_choice(block_types: dict[str, int]) -> str | None:
-    """Whether the GGUF kernel runs this file's linears: the planner's reason line when it
-    does, else None (the planner then takes its bf16 or fp32 rung). Decided by timing the
-    kernel against bf16 and fp32 ``F.linear`` (``_time_options``) once per machine, torch and
-    kernel source, and kept (``localllm.kernels.measured``): every start gives one plan.
-    The kernel is the incumbent of a first measure (the file's own blocks, no second
-    rounding, a third of bf16's memory): another option takes over only when clearly faster."""
-    types = tuple(sorted({t for t in block_types.values() if t in BLOCK_BYTES}))
-    if not types or not cpu_ops.has_gguf_kernels():
-        return None
-    m = measured.choose("gguf_linear_cpu", (f"act_levels={ACT_LEVELS}", "one thread"), _time_options, prefer="gguf")
-    if m.winner != "gguf":
-        return None
-    us = {k: f"{v * 1e6:.0f}" for k, v in m.times.items()}
-    names = "/".join(TYPE_NAMES[t] for t in types)
-    return (f"gguf {names} blocks as the file stores them (no second rounding), on the int8-dot CPU kernel: "
-            f"{us['gguf']} us per 576x1536 matvec on one core, bf16 {us['bf16']}, fp32 {us['fp32']}"
-            f" ({m.provenance()})")
-
-
-def _time_options() -> dict[str, float]:
-    """Seconds per 576x1536 matvec of this CPU for the GGUF kernel (Q4_1), bf16 and fp32
-    ``F.linear``: 8 distinct weights each, so they stream from memory as a model's do, in
-    interleaved rounds (a burst of load elsewhere hits all three alike), best round each
-    (~50 ms in all). On one thread: with two, every call ends in a barrier that waits for a
-    time slice whenever anything else runs, and all three took ~12 ms instead of 40-300 us
-    on a loaded 2-core machine (a coin toss between them); one thread times the kernels.
-    The choice compares how each kernel uses a core, which a second core scales alike."""
-    import time
-
-    k, n, copies = 576, 1536, 8
-    gen = torch.Generator().manual_seed(0)
-    w = torch.randn(n, k, generator=gen) * 0.02
-    x = torch.randn(1, k, generator=gen)
-    packed = [torch.ops.localllm_cpu.gguf_repack(quantize_blocks(w, Q4_1), Q4_1, k) for _ in range(copies)]
-    bf16 = [w.bfloat16().clone() for _ in range(copies)]
-    fp32 = [w.clone() for _ in range(copies)]
-    xb = x.bfloat16()
-    options: dict[str, Callable[[int], torch.Tensor]] = {
-        "gguf": lambda i: torch.ops.localllm_cpu.gguf_linear(x, *packed[i], Q4_1, ACT_LEVELS),
-        "bf16": lambda i: torch.nn.functional.linear(xb, bf16[i]),
-        "fp32": lambda i: torch.nn.functional.linear(x, fp32[i]),
-    }
-    best = dict.fromkeys(options, float("inf"))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for _ in range(5):
-            for name, fn in options.items():
-                t0 = time.perf_counter()
-                for i in range(copies):
-                    fn(i)
-                best[name] = min(best[name], (time.perf_counter() - t0) / copies)
-    finally:
-        torch.set_num_threads(threads)
-    return best
+        return f"{super().extra_repr()}, type={gf.type_name(self.block_type)}"

@@ -1,11 +1,11 @@
 """The quantization entry points (re-exported lazily by ``localllm.quant``): method names,
-the linear swaps for checkpoint and online loading, and in-place quantization."""
+the quantized linear for a method, the swap for online loading, and in-place quantization.
+A published checkpoint's swap is ``quant.checkpoint.prepare_for_checkpoint``."""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 from torch import nn
@@ -18,7 +18,6 @@ from localllm.quant.fp8 import FP8Linear
 from localllm.quant.groups import pick_group_size
 from localllm.quant.int8 import Int8Linear, Int8W8A8Linear
 from localllm.quant.linear import QuantLinear, fused_sizes, iter_linears, replace_module
-from localllm.quant import _API
 
 # method -> what it does; "none" is accepted wherever a method is, and changes nothing
 METHODS: dict[str, str] = {
@@ -39,10 +38,6 @@ _CLASSES: dict[str, type[QuantLinear]] = {
 }
 
 ProgressFn = Callable[[int, int], None]
-
-# The public names are listed once, in the package, which must stay importable without torch.
-__all__ = list(_API)
-
 
 def check_method(method: str) -> str:
     m = method.strip().lower()
@@ -155,14 +150,6 @@ def quantize_model(
         del lin  # the float weight goes now, not after the loop
         if progress is not None:
             progress(i + 1, len(names))
-
-
-def prepare_for_checkpoint(model: nn.Module, quantization_config: dict[str, Any]) -> None:
-    """Swaps linears for the modules that load ``quantization_config``'s checkpoint layout."""
-    from localllm.quant.checkpoint import plan_checkpoint_modules
-
-    for name, module in plan_checkpoint_modules(model, quantization_config):
-        replace_module(model, name, module)
 
 
 def weight_bytes(model: nn.Module) -> int:

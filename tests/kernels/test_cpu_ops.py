@@ -1,4 +1,4 @@
-"""The C++ CPU kernels (kernels/cpu_ops.cpp) against their torch references: paged attention
+"""The C++ CPU kernels (kernels/cpu/) against their torch references: paged attention
 read in place, the KV write, and the GGUF block linear; and the thread binding."""
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def test_store_kv_writes_slots_and_skips_padding() -> None:
     assert written == [17, 63]  # the padding row (slot -1) wrote nothing
 
 
-def _quantized_x(x: torch.Tensor, levels: int) -> torch.Tensor:
+def quantized_x(x: torch.Tensor, levels: int) -> torch.Tensor:
     """What the kernel multiplies by: x per 32-block rounded to int8, then (level 2) the
     remainder rounded again."""
     out = torch.zeros_like(x)
@@ -99,13 +99,13 @@ def test_gguf_linear_matches_gguf_reference(type_: int, levels: int, out_feature
     assert torch.equal(lin.dequantize_rows(rows), ref_w[rows])
     for m in (1, 5, 16):
         x = torch.randn(m, 160)
-        y = torch.ops.localllm_cpu.gguf_linear(x, lin.codes, lin.d, lin.c, type_, levels)
-        ref = _quantized_x(x, levels).double() @ ref_w.double().T
+        y = torch.ops.localllm_cpu.gguf_linear(x, lin.packed, type_, levels)
+        ref = quantized_x(x, levels).double() @ ref_w.double().T
         torch.testing.assert_close(y.double(), ref, atol=1e-5, rtol=1e-5)
     # two levels follow the float activations far more closely than one
     x = torch.randn(4, 160)
     exact = x.double() @ ref_w.double().T
-    err = {lv: (torch.ops.localllm_cpu.gguf_linear(x, lin.codes, lin.d, lin.c, type_, lv) - exact).abs().max()
+    err = {lv: (torch.ops.localllm_cpu.gguf_linear(x, lin.packed, type_, lv) - exact).abs().max()
            for lv in (1, 2)}
     assert err[2] < err[1] / 20
 
@@ -121,9 +121,9 @@ def test_gguf_dequantize_is_the_files_weight(type_: int) -> None:
     lin = GGUFLinear(96, 64, type_)
     lin.load_weight("weight", GGUFBlocks(type_, blocks), None)
     ref = dequantize_blocks(blocks, type_)
-    dense = torch.ops.localllm_cpu.gguf_dequantize(lin.codes, lin.d, lin.c, type_, torch.float32)
+    dense = torch.ops.localllm_cpu.gguf_dequantize(lin.packed, type_, torch.float32)
     assert torch.equal(dense, ref)
-    dense16 = torch.ops.localllm_cpu.gguf_dequantize(lin.codes, lin.d, lin.c, type_, torch.bfloat16)
+    dense16 = torch.ops.localllm_cpu.gguf_dequantize(lin.packed, type_, torch.bfloat16)
     assert torch.equal(dense16, ref.bfloat16())
 
 

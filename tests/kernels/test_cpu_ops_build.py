@@ -1,7 +1,8 @@
 """The CPU kernels' build as real processes live it: a start killed mid-build leaves no
 compiler running and its temp folder is cleaned by the next start, which takes the lock
-over; two starts on one empty cache both answer (one builds, the other waits with a line);
-without a compiler nothing waits on a compile. Each start is a real ``python`` process with
+over and compiles only the files the killed one had not finished; two starts on one empty
+cache both answer (one builds, the other waits with a line); without a compiler nothing
+waits on a compile; a change to one source file recompiles that file alone. Each start is a real ``python`` process with
 its own cache (``LOCALLLM_CACHE_DIR``). Except in the one real build-and-kill test, the
 compiler is a small script: what is under test is the process handling, not the compile.
 A slow "compiler" sleeps in a child process, as g++ runs cc1plus; a fast one copies the
@@ -35,7 +36,9 @@ def _script(path: Path, body: str) -> Path:
 @pytest.fixture
 def compilers(tmp_path: Path) -> dict[str, Path]:
     """``slow``: never finishes; its child sleeps with a marker in its arguments (as cc1plus
-    would compile). ``copy``: counts its runs and writes this session's real library to -o."""
+    would compile). ``copy``: counts its runs (one per source file compiled, one per link)
+    and writes this session's real library to its last argument (-o's: an object or the
+    library)."""
     marker = tmp_path / "cc1-sleep"  # a copy of sleep, so its command line is this test's own
     shutil.copy(shutil.which("sleep") or "/bin/sleep", marker)
     runs = tmp_path / "runs"
@@ -109,7 +112,8 @@ def test_a_real_build_killed_midway_leaves_no_compiler_and_the_next_start_takes_
     out, err = second.communicate(timeout=300)
     assert "loaded True" in out, err
     assert "building CPU kernels" in err  # took the dead process's lock over
-    assert compilers["runs"].read_text().count("run") == 1  # the second start built once
+    runs = compilers["runs"].read_text().count("run")
+    assert 1 <= runs <= len(cpu_ops.translation_units()) + 1  # what the killed start had not finished, one link
     _wait_for(lambda: not any(_group_alive(g) for g in groups), "the killed build's compiler to go")
     assert _build_dirs(cache) == []  # the killed build's temp folder is gone
     assert (cache / "cpu_ops" / build_dir.parent.name / "localllm_cpu_ops.so").is_file()
@@ -140,7 +144,7 @@ def test_two_starts_on_an_empty_cache_both_load_and_one_builds(tmp_path: Path, c
     starts = [_start(cache, compilers["copy"]) for _ in range(2)]
     results = [p.communicate(timeout=300) for p in starts]
     assert all("loaded True" in out for out, _ in results), results
-    assert compilers["runs"].read_text().count("run") == 1
+    assert compilers["runs"].read_text().count("run") == len(cpu_ops.translation_units()) + 1  # one build
     errs = [err for _, err in results]
     assert sum("building CPU kernels" in e for e in errs) == 1
     assert sum(cpu_ops.WAITING in e for e in errs) == 1
@@ -172,7 +176,40 @@ def test_the_library_key_holds_no_install_path_or_compiler(monkeypatch: pytest.M
     monkeypatch.setenv("CXX", "/some/other/g++")
     monkeypatch.setattr(sys, "prefix", "/elsewhere/venv")
     assert cpu_ops._library_path() == key
-    assert "-rpath" not in " ".join(cpu_ops._compile_command("g++"))
+    assert "-rpath" not in " ".join(cpu_ops._compile_command("g++") + cpu_ops._link_command("g++", []))
+
+
+def test_a_change_to_one_file_recompiles_that_file_alone(
+    tmp_path: Path, compilers: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Objects are cached per file: with every object but one in the cache (the sources as
+    they are, one of them edited), the build compiles the edited file and links."""
+    cache = tmp_path / "cache"
+    sources = tmp_path / "cpu"
+    shutil.copytree(cpu_ops.SOURCE_DIR, sources)
+    monkeypatch.setattr(cpu_ops, "SOURCE_DIR", sources)
+    monkeypatch.setenv("LOCALLLM_CACHE_DIR", str(cache))
+    objects = cpu_ops._object_dir()
+    objects.mkdir(parents=True)
+    for _, key in cpu_ops._object_keys():  # a previous build's objects (their content is not read here)
+        (objects / f"{key}.o").write_bytes(b"cached")
+    edited = sources / "sampling.cpp"
+    edited.write_text(edited.read_text() + "\n// edited\n")
+    (tmp_path / "runs").write_text("")
+    calls: list[list[str]] = []
+    real = cpu_ops._start_compiler
+
+    def start(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
+        calls.append(cmd)
+        return real([str(compilers["copy"]), *cmd[1:]], log)
+
+    monkeypatch.setattr(cpu_ops, "_start_compiler", start)
+    lib = cpu_ops._library_path()
+    cpu_ops._build("g++", lib)
+    compiled = [c[c.index("-c") + 1] for c in calls if "-c" in c]
+    assert compiled == [str(edited)]
+    assert len(calls) == 2  # that file, then the link
+    assert lib.is_file()
 
 
 def test_without_a_compiler_the_start_says_so_once_and_does_not_build(tmp_path: Path) -> None:

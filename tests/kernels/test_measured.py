@@ -5,14 +5,12 @@ request measures again, and a re-measure keeps the stored winner through a close
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
 from localllm.kernels import cpu_ops, measured
-from localllm.models.loader import Checkpoint
 
 
 @pytest.fixture(autouse=True)
@@ -82,42 +80,3 @@ def test_a_damaged_file_counts_as_empty(own_cache: Path) -> None:
     timer = Timer({"a": 1.0})
     assert measured.choose("x", (), timer).winner == "a" and timer.calls == 1
     assert measured.choose("x", (), timer).winner == "a" and timer.calls == 1
-
-
-@pytest.mark.skipif(not cpu_ops.has_gguf_kernels(), reason="GGUF kernels need an x86-64-v3 CPU")
-def test_the_same_model_gets_the_same_plan_on_every_start(
-    default_checkpoint: Checkpoint, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The loader's choice (``measure_cpu_choice`` feeding the planner) on two starts, the
-    second with timings where bf16 wins by far (a start beside a busy program): one plan."""
-    from localllm.hardware.planner import plan as make_plan
-    from localllm.hardware.probe import probe_hardware
-    from localllm.quant import gguf
-
-    hw = replace(probe_hardware(), gpus=())
-
-    def start() -> tuple[str | None, str, list[str]]:
-        why = gguf.measure_cpu_choice(default_checkpoint.block_types)
-        p = make_plan(default_checkpoint.config, hw, chats=4, cpu_gguf=why, name="default")
-        return p.quant, p.weight_dtype, list(p.reasons)
-
-    # the first start measures for real, then its choice is pinned to the kernel so the
-    # test does not depend on this machine's figures
-    monkeypatch.setattr(gguf, "_time_options", Timer({"gguf": 40e-6, "bf16": 170e-6, "fp32": 140e-6}))
-    first = start()
-    assert first[0] == "gguf" and any("kept; LOCALLLM_REMEASURE=1" in r for r in first[2])
-    noisy = Timer({"gguf": 12e-3, "bf16": 1e-4, "fp32": 1e-4})
-    monkeypatch.setattr(gguf, "_time_options", noisy)
-    assert start() == first and noisy.calls == 0
-    monkeypatch.setenv("LOCALLLM_REMEASURE", "1")  # asked for: the clear win now counts
-    assert start()[0] != "gguf" and noisy.calls == 1
-
-
-@pytest.mark.skipif(not cpu_ops.has_gguf_kernels(), reason="GGUF kernels need an x86-64-v3 CPU")
-def test_the_real_timing_names_all_three_options() -> None:
-    from localllm.quant import gguf
-
-    threads = torch.get_num_threads()
-    times = gguf._time_options()
-    assert set(times) == {"gguf", "bf16", "fp32"} and all(0 < t < 1 for t in times.values())
-    assert torch.get_num_threads() == threads  # timed on one thread, then given back

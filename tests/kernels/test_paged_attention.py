@@ -160,9 +160,10 @@ def test_dispatcher_cpu_runs_reference() -> None:
     torch.testing.assert_close(paged_attention(*args, batch["num_decodes"]), paged_attention_ref(**batch))
 
 
-def dense_attention(batch: dict) -> torch.Tensor:
+def dense_attention(batch: dict, window: int | None = None) -> torch.Tensor:
     """Explicit softmax attention over each sequence's blocks, read one token at a time: an
-    implementation that shares nothing with the reference's gather, packing or SDPA."""
+    implementation that shares nothing with the reference's gather, packing or SDPA. With a
+    window, query p sees keys p - window + 1 .. p."""
     q, kc, vc = batch["q"].double(), batch["k_cache"], batch["v_cache"]
     if kc.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         kc, vc = kc.double() * batch["k_scale"], vc.double() * batch["v_scale"]
@@ -176,9 +177,10 @@ def dense_attention(batch: dict) -> torch.Tensor:
         v = torch.stack([vc[blk, off] for blk, off in slots]).double()
         for j, row in enumerate(range(qsl[b], qsl[b + 1])):
             visible = kv_len - (qsl[b + 1] - qsl[b]) + j + 1
+            first = max(0, visible - window) if window else 0
             for h in range(q.shape[1]):
-                scores = (k[:visible, h // group] @ q[row, h]) * batch["scale"]
-                out[row, h] = torch.softmax(scores, 0) @ v[:visible, h // group]
+                scores = (k[first:visible, h // group] @ q[row, h]) * batch["scale"]
+                out[row, h] = torch.softmax(scores, 0) @ v[first:visible, h // group]
     return out
 
 
@@ -193,3 +195,56 @@ def test_reference_matches_dense_attention(num_heads: int, num_kv_heads: int, le
 def test_reference_fp8_cache_matches_dense_attention() -> None:
     batch = make_batch([(1, 20), (1, 37), (5, 12)], 8, 2, 32, 16, torch.float32, "cpu", torch.float8_e4m3fn)
     torch.testing.assert_close(paged_attention_ref(**batch).double(), dense_attention(batch), atol=1e-4, rtol=1e-4)
+
+
+# ---- sliding windows: a query sees only the last `window` positions ----
+
+# decodes inside and past the window, an extend whose chunk straddles the window's edge, a
+# prefill longer than the window, a window of one token
+WINDOW_LENS = [(1, 5), (1, 40), (1, 17), (6, 30), (21, 21)]
+
+
+@pytest.mark.parametrize("window", [1, 7, 16, 64])
+def test_reference_window_matches_dense_attention(window: int) -> None:
+    batch = make_batch(WINDOW_LENS, 8, 2, 32, 8, torch.float32, "cpu")
+    got = paged_attention_ref(**batch, sliding_window=window).double()
+    torch.testing.assert_close(got, dense_attention(batch, window), atol=1e-5, rtol=1e-5)
+    if window < 40:  # the window changed the answer: not full attention in disguise
+        assert (got - dense_attention(batch)).abs().max() > 1e-3
+
+
+def test_dispatcher_applies_the_window_on_cpu() -> None:
+    batch = make_batch(WINDOW_LENS, 4, 2, 32, 8, torch.float32, "cpu")
+    torch.testing.assert_close(paged_attention(**batch, sliding_window=7).double(), dense_attention(batch, 7),
+                               atol=1e-5, rtol=1e-5)
+    decodes = make_batch([(1, 5), (1, 40), (1, 17)], 4, 2, 32, 8, torch.float32, "cpu")  # the all-decode call
+    torch.testing.assert_close(paged_attention(**decodes, sliding_window=7).double(), dense_attention(decodes, 7),
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("window", "num_splits"), [(7, 1), (7, 4), (20, 2)])
+def test_triton_window(device: str, window: int, num_splits: int) -> None:
+    batch = make_batch(WINDOW_LENS, 4, 2, 32, 8, torch.float32, device)
+    out = paged_attention_triton(**batch, num_splits=num_splits, block_m=16, tile_n=8, sliding_window=window)
+    torch.testing.assert_close(out.double().cpu(), dense_attention({k: v.cpu() if isinstance(v, torch.Tensor) else v
+                                                                    for k, v in batch.items()}, window),
+                               atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 256])  # 64, 128, 256: the fixed-size fast paths
+@pytest.mark.parametrize(("max_q", "splits"), [(1, 0), (16, 0), (16, 1), (32, 3)])
+def test_cpu_kernel_window(head_dim: int, max_q: int, splits: int) -> None:
+    from localllm.kernels import cpu_ops
+
+    if not cpu_ops.load():
+        pytest.skip("no C++ compiler: the CPU kernels are not built here")
+    lens = WINDOW_LENS if max_q > 1 else [(1, 5), (1, 40), (1, 17), (1, 300)]
+    batch = make_batch(lens, 8, 2, head_dim, 8, torch.float32, "cpu")
+    for window in (0, 1, 7, 200):
+        out = torch.ops.localllm_cpu.paged_attention(
+            batch["q"], batch["k_cache"], batch["v_cache"], batch["query_start_loc"], batch["seq_lens"],
+            batch["block_tables"], batch["scale"], max_q, splits, window)
+        want = dense_attention(batch, window or None)
+        starts = batch["query_start_loc"].tolist()
+        rows = [r for b in range(len(lens)) if starts[b + 1] - starts[b] <= max_q for r in range(starts[b], starts[b + 1])]
+        torch.testing.assert_close(out[rows].double(), want[rows], atol=1e-5, rtol=1e-5)

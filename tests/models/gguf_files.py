@@ -5,9 +5,11 @@ shards the way its --split-max-tensors does)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 # Llama's SentencePiece settings: no normalization, spaces kept as they are, a dummy prefix,
@@ -64,6 +66,23 @@ def spm_vocab(sp) -> tuple[list[str], list[float], list[int]]:  # noqa: ANN001
 
 
 HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 32, 64, 2, 1, 2
+# Blocks of the types the gguf package cannot quantize, written by llama.cpp's quantizer
+# (tests/fixtures/make_gguf_blocks.py): 16 rows of 512 weights per type.
+BLOCKS_FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "gguf_blocks.gguf"
+
+
+def llama_cpp_blocks(kind: str, rows: int, cols: int) -> np.ndarray:
+    """A ``[rows, cols]`` matrix of ``kind`` (e.g. "Q4_K") as llama.cpp's quantizer writes it:
+    the fixture's 512-weight rows repeated down the matrix and along each row (``cols`` a
+    multiple of 512). Uint8 ``[rows, row bytes]``, for ``write_llama_gguf``'s ``encode``."""
+    from localllm.models.gguf_file import read_gguf
+
+    _, tensors = read_gguf(BLOCKS_FIXTURE)
+    src = np.array(tensors[kind].data)  # [16, bytes of 512 weights]
+    per_row = cols // 512
+    assert per_row * 512 == cols, f"{cols} columns are not whole 512-weight fixture rows"
+    pick = (np.arange(rows)[:, None] * per_row + np.arange(per_row)[None, :]) % src.shape[0]
+    return np.ascontiguousarray(src[pick].reshape(rows, -1))
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,10 +146,13 @@ def write_llama_gguf(
     path: Path, tokens: list[str], scores: list[float], types: list[int], weights: dict[str, torch.Tensor], *,
     arch: str = "llama", chat_template: str | None = None, split_max_tensors: int = 0,
     dims: LlamaDims = TINY, block_type: int | None = None,
+    encode: Callable[[str, torch.Tensor], tuple[np.ndarray, int] | None] | None = None,
 ) -> list[Path]:
     """Writes the model (one file, or shards of at most ``split_max_tensors`` tensors) and returns
     the paths written, first to last. Matrices are F32, or ``block_type`` blocks (a
-    GGMLQuantizationType value, e.g. 8 for Q8_0) quantized by gguf's reference code."""
+    GGMLQuantizationType value, e.g. 8 for Q8_0) quantized by gguf's reference code, or what
+    ``encode(gguf name, float tensor)`` gives: (uint8 blocks ``[rows, row bytes]``, type), per
+    tensor (None: the default)."""
     import gguf
 
     HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = dims.hidden, dims.ffn, dims.heads, dims.kv_heads, dims.layers  # noqa: N806
@@ -159,7 +181,11 @@ def write_llama_gguf(
     if chat_template is not None:
         w.add_chat_template(chat_template)
     for name, t in _gguf_tensors(weights, dims):
-        if block_type is None or t.dim() < 2:
+        custom = encode(name, t) if encode is not None and t.dim() == 2 else None
+        if custom is not None:
+            blocks, kind = custom
+            w.add_tensor(name, blocks, raw_dtype=gguf.GGMLQuantizationType(kind))
+        elif block_type is None or t.dim() < 2:
             w.add_tensor(name, t.contiguous().numpy())
         else:
             kind = gguf.GGMLQuantizationType(block_type)

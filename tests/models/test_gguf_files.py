@@ -11,7 +11,8 @@ import torch
 
 from localllm import LLM, SamplingParams
 from localllm.errors import LocalLLMError
-from localllm.models.loader import gguf_shards, open_checkpoint
+from localllm.models.formats import open_checkpoint
+from localllm.models.gguf_file import gguf_shards
 from tests.models.gguf_files import random_llama_weights, spm_vocab, train_sentencepiece, write_llama_gguf
 from tests.reference import reference_greedy, reference_logits
 from tests.test_cli import assert_one_line_error, cli

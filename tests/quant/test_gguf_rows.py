@@ -55,7 +55,7 @@ def test_short_chunks_packed_past_the_dense_size_stay_on_the_integer_kernel(lin)
     with forward_context.batch_rows(0, [30, 30, 30]):
         out = lin(torch.cat(chunks))
     assert torch.equal(out, torch.cat([_alone(lin, c) for c in chunks]))
-    integer = torch.ops.localllm_cpu.gguf_linear(torch.cat(chunks), lin.codes, lin.d, lin.c, lin.block_type, 2)
+    integer = torch.ops.localllm_cpu.gguf_linear(torch.cat(chunks), lin.packed, lin.block_type, 2)
     assert torch.equal(out, integer)
 
 

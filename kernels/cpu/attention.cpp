@@ -1,0 +1,366 @@
+// The paged KV write and paged attention (attention.h says what they compute and the layouts).
+#include "attention.h"
+
+#include <utility>
+#include <vector>
+
+#include "common.h"
+
+namespace localllm_cpu {
+
+void store_kv(const float* k, int64_t k_stride, const float* v, int64_t v_stride, int64_t T, int64_t row,
+              const int64_t* slots, int64_t num_slots, float* k_cache, float* v_cache) {
+  for (int64_t t = 0; t < T; ++t) {
+    if (slots[t] < 0) continue;
+    TORCH_CHECK(slots[t] < num_slots, "slot ", slots[t], " is outside the KV pool");
+    std::memcpy(k_cache + slots[t] * row, k + t * k_stride, row * sizeof(float));
+    std::memcpy(v_cache + slots[t] * row, v + t * v_stride, row * sizeof(float));
+  }
+}
+
+namespace {
+
+// The online-softmax step of one head over a block of n scores p (in place: they become the
+// block's weights): the running max m and sum l move on; returns the factor the accumulator
+// is rescaled by (0 on the first block, where m = -inf).
+inline float softmax_block(float* p, int64_t n, float& m, float& l) {
+  float mx = m;
+  for (int64_t i = 0; i < n; ++i) mx = std::max(mx, p[i]);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) {
+    p[i] = fast_exp(p[i] - mx);
+    sum += p[i];
+  }
+  const float corr = fast_exp(m - mx);
+  l = l * corr + sum;
+  m = mx;
+  return corr;
+}
+
+// One (query token, KV head, key range) of attention: the G query heads of the KV head
+// read each key and value row once. Returns the running max and sum of exp; acc holds the
+// unnormalised output. Templated on G so the per-key loops over the heads unroll.
+template <int G>
+void attend_range(const float* qrow, const float* kc, const float* vc, const int32_t* table,
+                  int64_t key_begin, int64_t key_end, int64_t block_size, int64_t row, int64_t D,
+                  float scale, float* m, float* l, float (*acc)[kMaxHeadDim], float (*p)[kMaxBlock]) {
+  for (int g = 0; g < G; ++g) {
+    m[g] = -std::numeric_limits<float>::infinity();
+    l[g] = 0.f;
+    std::fill(acc[g], acc[g] + D, 0.f);
+  }
+  for (int64_t start = key_begin; start < key_end;) {
+    const int64_t blk = table[start / block_size], off = start % block_size;
+    const int64_t n = std::min(block_size - off, key_end - start);
+    const float* kb = kc + (blk * block_size + off) * row;
+    const float* vb = vc + (blk * block_size + off) * row;
+    for (int64_t i = 0; i < n; ++i) {
+      const float* kr = kb + i * row;
+      float s[G];
+      for (int g = 0; g < G; ++g) {
+        const float* qg = qrow + g * D;
+        float a = 0.f;
+#pragma omp simd reduction(+ : a)
+        for (int64_t d = 0; d < D; ++d) a += qg[d] * kr[d];
+        s[g] = a * scale;
+      }
+      for (int g = 0; g < G; ++g) p[g][i] = s[g];
+    }
+    for (int g = 0; g < G; ++g) {
+      const float corr = softmax_block(p[g], n, m[g], l[g]);
+      float* a = acc[g];
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) a[d] *= corr;
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const float* vr = vb + i * row;
+      for (int g = 0; g < G; ++g) {
+        const float w = p[g][i];
+        float* a = acc[g];
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) a[d] += w * vr[d];
+      }
+    }
+    start += n;
+  }
+}
+
+// The same for a head_dim known at compile time (64, 128: most models): each head's query
+// and output accumulator live in vector registers across the whole key range (GCC vector
+// types: AVX-512 registers where the CPU has them, pairs of AVX2 ones elsewhere), and each
+// key row is loaded once for the G heads. The generic version above keeps them in memory
+// with a runtime length, which measured ~50 cycles per (key, head) on AVX-512.
+typedef float vf16 __attribute__((vector_size(64)));
+
+inline vf16 load16(const float* p) {
+  vf16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline float hsum16(vf16 v) {
+  const vf16 a = v + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  const vf16 b = a + __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  const vf16 c = b + __builtin_shufflevector(b, b, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  return c[0] + c[1];
+}
+
+// One block of n keys (kb, vb: its first K and V rows) for the G heads of one query, whose
+// scaled query q and accumulator acc are vector arrays the caller keeps (in registers when
+// the caller is a loop over blocks, as below).
+template <int G, int C>
+inline void attend_block_fixed(const vf16 (&q)[G][C], vf16 (&acc)[G][C], const float* kb, const float* vb,
+                               int64_t n, int64_t row, float* m, float* l, float (*p)[kMaxBlock]) {
+  for (int64_t i = 0; i < n; ++i) {
+    vf16 k[C];
+    for (int c = 0; c < C; ++c) k[c] = load16(kb + i * row + 16 * c);
+    for (int g = 0; g < G; ++g) {
+      vf16 t = q[g][0] * k[0];
+      for (int c = 1; c < C; ++c) t += q[g][c] * k[c];
+      p[g][i] = hsum16(t);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const float corr = softmax_block(p[g], n, m[g], l[g]);
+    for (int c = 0; c < C; ++c) acc[g][c] *= corr;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    vf16 v[C];
+    for (int c = 0; c < C; ++c) v[c] = load16(vb + i * row + 16 * c);
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < C; ++c) acc[g][c] += p[g][i] * v[c];
+  }
+}
+
+template <int G, int D>
+void attend_range_fixed(const float* qrow, const float* kc, const float* vc, const int32_t* table,
+                        int64_t key_begin, int64_t key_end, int64_t block_size, int64_t row, int64_t,
+                        float scale, float* m, float* l, float (*acc_out)[kMaxHeadDim], float (*p)[kMaxBlock]) {
+  constexpr int C = D / 16;
+  vf16 q[G][C], acc[G][C];
+  for (int g = 0; g < G; ++g) {
+    m[g] = -std::numeric_limits<float>::infinity();
+    l[g] = 0.f;
+    for (int c = 0; c < C; ++c) q[g][c] = load16(qrow + g * D + 16 * c) * scale, acc[g][c] = vf16{};
+  }
+  for (int64_t start = key_begin; start < key_end;) {
+    const int64_t blk = table[start / block_size], off = start % block_size;
+    const int64_t n = std::min(block_size - off, key_end - start);
+    const int64_t first = (blk * block_size + off) * row;
+    attend_block_fixed<G, C>(q, acc, kc + first, vc + first, n, row, m, l, p);
+    start += n;
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) std::memcpy(acc_out[g] + 16 * c, &acc[g][c], sizeof(vf16));
+}
+
+// nq consecutive query tokens of one sequence (a short extend over a cached prefix): query
+// j sees keys [0, keys0 + j). Each key block is read from memory once for all of them (then
+// from L1), where one item per query token read the whole context once per token. The
+// running max, sum and accumulator of each (query, head) live in m, l [nq, G] and acc
+// [nq, G, D] between blocks.
+template <int G, int D>
+void attend_multi_fixed(const float* q0, int64_t q_stride, int64_t nq, int64_t keys0, const float* kc,
+                        const float* vc, const int32_t* table, int64_t key_begin, int64_t key_end,
+                        int64_t block_size, int64_t row, float scale, float* m, float* l, float* acc) {
+  constexpr int C = D / 16;
+  for (int64_t i = 0; i < nq * G; ++i) m[i] = -std::numeric_limits<float>::infinity(), l[i] = 0.f;
+  std::fill(acc, acc + nq * G * D, 0.f);
+  float p[G][kMaxBlock];
+  for (int64_t start = key_begin; start < key_end;) {
+    const int64_t blk = table[start / block_size], off = start % block_size;
+    const int64_t n = std::min(block_size - off, key_end - start);
+    const int64_t first = (blk * block_size + off) * row;
+    for (int64_t j = 0; j < nq; ++j) {
+      const int64_t nj = std::min<int64_t>(n, keys0 + j - start);  // causal: this block's keys query j sees
+      if (nj <= 0) continue;
+      vf16 q[G][C], a[G][C];
+      float* aj = acc + j * G * D;
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < C; ++c) {
+          q[g][c] = load16(q0 + j * q_stride + g * D + 16 * c) * scale;
+          a[g][c] = load16(aj + g * D + 16 * c);
+        }
+      attend_block_fixed<G, C>(q, a, kc + first, vc + first, nj, row, m + j * G, l + j * G, p);
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < C; ++c) std::memcpy(aj + g * D + 16 * c, &a[g][c], sizeof(vf16));
+    }
+    start += n;
+  }
+}
+
+using AttendFn = void (*)(const float*, const float*, const float*, const int32_t*, int64_t, int64_t, int64_t,
+                          int64_t, int64_t, float, float*, float*, float (*)[kMaxHeadDim], float (*)[kMaxBlock]);
+
+template <int... Gs>
+AttendFn pick_attend(int64_t g, int64_t d, std::integer_sequence<int, Gs...>) {
+  AttendFn fn = nullptr;
+  ((fn = (g == Gs + 1) ? (d == 64    ? &attend_range_fixed<Gs + 1, 64>
+                          : d == 128 ? &attend_range_fixed<Gs + 1, 128>
+                          : d == 256 ? &attend_range_fixed<Gs + 1, 256>
+                                     : &attend_range<Gs + 1>)
+                       : fn), ...);
+  return fn;
+}
+
+using MultiFn = void (*)(const float*, int64_t, int64_t, int64_t, const float*, const float*, const int32_t*,
+                         int64_t, int64_t, int64_t, int64_t, float, float*, float*, float*);
+
+template <int... Gs>
+MultiFn pick_multi(int64_t g, int64_t d, std::integer_sequence<int, Gs...>) {  // nullptr: no fixed head_dim
+  MultiFn fn = nullptr;
+  ((fn = (g == Gs + 1) ? (d == 64    ? &attend_multi_fixed<Gs + 1, 64>
+                          : d == 128 ? &attend_multi_fixed<Gs + 1, 128>
+                          : d == 256 ? &attend_multi_fixed<Gs + 1, 256>
+                                     : nullptr)
+                       : fn), ...);
+  return fn;
+}
+
+}  // namespace
+
+// Attention for every sequence whose query length is at most max_q (decodes, short
+// extends over a cached prefix); the rows of longer sequences are left at zero for the
+// caller's prefill path. A work item is one query token, one KV head and one slice of its
+// keys: the query heads of that KV head share every key and value row it reads, once, from
+// the block it lies in (no gather, no padding to the longest context in the batch). Long
+// contexts split into slices when there are too few items for the threads (flash-decoding);
+// the slices merge by their max and sum of exp.
+void paged_attention(const PagedAttention& args, float* op) {
+  const int64_t H = args.H, D = args.D, block_size = args.block_size, KVH = args.KVH, B = args.B, W = args.W;
+  const int64_t G = H / KVH, row = KVH * D, max_q = args.max_q, max_splits = args.max_splits;
+  const int64_t window = args.window;  // > 0: query at p sees keys p - window + 1 .. p
+  const AttendFn attend = pick_attend(G, D, std::make_integer_sequence<int, kMaxGroup>{});
+  const MultiFn attend_multi = pick_multi(G, D, std::make_integer_sequence<int, kMaxGroup>{});
+  const int32_t* qs = args.query_start_loc;
+  const int32_t* ls = args.seq_lens;
+  const int32_t* tb = args.block_tables;
+  const int64_t num_blocks = args.num_blocks;
+
+  std::vector<int64_t> tok_seq, tok_j;  // one entry per (sequence, query token)
+  std::vector<int64_t> item_seq, item_tok;  // per sequence attended here: its index, its first token's
+  int64_t max_keys = 0;  // the longest key range a sequence's queries span together
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = qs[b + 1] - qs[b];
+    if (n == 0 || n > max_q) continue;
+    TORCH_CHECK(ls[b] >= n && (ls[b] + block_size - 1) / block_size <= W, "seq_lens/block_tables mismatch");
+    for (int64_t i = 0; i < (ls[b] + block_size - 1) / block_size; ++i) {
+      const int32_t blk = tb[b * W + i];
+      TORCH_CHECK(blk >= 0 && blk < num_blocks, "block id ", blk, " is outside the KV pool");
+    }
+    max_keys = std::max<int64_t>(max_keys, window > 0 ? std::min<int64_t>(ls[b], window + n - 1) : ls[b]);
+    item_seq.push_back(b);
+    item_tok.push_back(static_cast<int64_t>(tok_seq.size()));
+    for (int64_t j = 0; j < n; ++j) {
+      tok_seq.push_back(b);
+      tok_j.push_back(j);
+    }
+  }
+  const int64_t num_toks = static_cast<int64_t>(tok_seq.size());
+  if (num_toks == 0) return;
+  const int64_t threads = at::get_num_threads();
+  // A work item is (sequence, KV head, key slice), all the sequence's query tokens at once.
+  // Slices of at least 4 blocks, enough of them that every thread gets ~4 items.
+  const int64_t num_seqs = static_cast<int64_t>(item_seq.size());
+  const int64_t want = (4 * threads + num_seqs * KVH - 1) / (num_seqs * KVH);
+  // max_splits > 0 caps the slices: at 1 a row's reduction order depends on its own keys only,
+  // never on how many sequences share the batch or how long the longest is (--deterministic)
+  const int64_t adaptive = std::max<int64_t>(1, std::min(want, max_keys / (4 * block_size)));
+  const int64_t splits = max_splits > 0 ? std::min(adaptive, max_splits) : adaptive;
+  const int64_t slice = (((max_keys + splits - 1) / splits + block_size - 1) / block_size) * block_size;
+
+  // Partial results per (query token, KV head, slice): [.., G] max and sum, [.., G, D] accumulators.
+  const int64_t num_parts = num_toks * KVH * splits;
+  std::vector<float> part_m(num_parts * G), part_l(num_parts * G), part_acc(num_parts * G * D);
+  const float* qp = args.q;
+  const float* kc = args.k_cache;
+  const float* vc = args.v_cache;
+  const float fscale = args.scale;
+  // One slice (decodes of short contexts, most batches): a work item holds its rows' whole
+  // softmax, so it writes the normalised rows itself and the merge pass is skipped.
+  const bool direct = splits == 1;
+  const auto write_row = [&](int64_t b, int64_t j, int64_t kvh, const float* acc, int64_t acc_stride,
+                             const float* l) {
+    float* orow = op + (qs[b] + j) * H * D + kvh * G * D;
+    for (int64_t g = 0; g < G; ++g) {
+      const float inv = 1.f / l[g];
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) orow[g * D + d] = acc[g * acc_stride + d] * inv;
+    }
+  };
+
+  at::parallel_for(0, num_seqs * KVH * splits, 1, [&](int64_t begin, int64_t end) {
+    float acc[kMaxGroup][kMaxHeadDim];
+    float p[kMaxGroup][kMaxBlock];
+    std::vector<float> mm(max_q * G), ml(max_q * G), macc(max_q * G * D);
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t s = it / (KVH * splits), kvh = (it / splits) % KVH, sp = it % splits;
+      const int64_t b = item_seq[s], t0 = item_tok[s], nq = qs[b + 1] - qs[b];
+      const int64_t keys0 = ls[b] - nq + 1;  // causal: query j sees keys 0..keys0 + j - 1
+      // a window: query j sees keys from keys0 + j - window on; the slices cover the span of
+      // the whole chunk, from its first query's first key
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, keys0 - window) : 0;
+      const int64_t k0 = lo + sp * slice, k1 = std::min(keys0 + nq - 1, k0 + slice);
+      const float* q0 = qp + qs[b] * H * D + kvh * G * D;
+      const auto part = [&](int64_t j) { return ((t0 + j) * KVH + kvh) * splits + sp; };
+      if (nq > 1 && attend_multi != nullptr && window <= 0) {
+        attend_multi(q0, H * D, nq, keys0, kc + kvh * D, vc + kvh * D, tb + b * W, k0, std::max(k0, k1),
+                     block_size, row, fscale, mm.data(), ml.data(), macc.data());
+        if (direct) {
+          for (int64_t j = 0; j < nq; ++j) write_row(b, j, kvh, &macc[j * G * D], D, &ml[j * G]);
+          continue;
+        }
+        for (int64_t j = 0; j < nq; ++j) {
+          std::copy(&mm[j * G], &mm[j * G] + G, &part_m[part(j) * G]);
+          std::copy(&ml[j * G], &ml[j * G] + G, &part_l[part(j) * G]);
+          std::copy(&macc[j * G * D], &macc[j * G * D] + G * D, &part_acc[part(j) * G * D]);
+        }
+        continue;
+      }
+      for (int64_t j = 0; j < nq; ++j) {
+        const int64_t kj = std::min(k1, keys0 + j);
+        const int64_t ki = window > 0 ? std::max(k0, keys0 + j - window) : k0;
+        float* pm = &part_m[part(j) * G];
+        float* pl = &part_l[part(j) * G];
+        if (ki >= kj) {
+          for (int64_t g = 0; g < G; ++g) pm[g] = -std::numeric_limits<float>::infinity(), pl[g] = 0.f;
+          continue;
+        }
+        attend(q0 + j * H * D, kc + kvh * D, vc + kvh * D, tb + b * W, ki, kj, block_size, row, D, fscale, pm,
+               pl, acc, p);
+        if (direct) {
+          write_row(b, j, kvh, acc[0], kMaxHeadDim, pl);
+          continue;
+        }
+        for (int64_t g = 0; g < G; ++g) std::copy(acc[g], acc[g] + D, &part_acc[(part(j) * G + g) * D]);
+      }
+    }
+  });
+  if (direct) return;
+  at::parallel_for(0, num_toks * KVH, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t tk = begin; tk < end; ++tk) {
+      const int64_t t = tk / KVH, kvh = tk % KVH;
+      float* orow = op + (qs[tok_seq[t]] + tok_j[t]) * H * D + kvh * G * D;
+      for (int64_t g = 0; g < G; ++g) {
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t sp = 0; sp < splits; ++sp) mx = std::max(mx, part_m[(tk * splits + sp) * G + g]);
+        float total = 0.f;
+        float* o = orow + g * D;
+        for (int64_t sp = 0; sp < splits; ++sp) {
+          const int64_t it = tk * splits + sp;
+          const float w = part_l[it * G + g] == 0.f ? 0.f : std::exp(part_m[it * G + g] - mx);
+          total += w * part_l[it * G + g];
+          const float* a = &part_acc[(it * G + g) * D];
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
+        }
+        const float inv = 1.f / total;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+      }
+    }
+  });
+}
+
+}  // namespace localllm_cpu

@@ -1,0 +1,50 @@
+// Activation quantization (activations.h).
+#include "activations.h"
+
+#include <vector>
+
+#include "../common.h"
+
+namespace localllm_cpu::gguf {
+
+Activations quantize_rows(const float* x, int64_t M, int64_t K, int64_t levels) {
+  const int64_t nb = K / 32;
+  thread_local std::vector<int8_t> xq_buf;
+  thread_local std::vector<float> xf_buf;
+  xq_buf.resize(std::max<size_t>(xq_buf.size(), levels * M * K));
+  xf_buf.resize(std::max<size_t>(xf_buf.size(), (levels + 3) * M * nb));
+  int8_t* xq = xq_buf.data();
+  float* xd = xf_buf.data();
+  float* xs = xd + levels * M * nb;
+  float* xs16 = xs + M * nb;
+  at::parallel_for(0, M * nb, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      float r[32];
+      std::memcpy(r, x + (i / nb) * K + (i % nb) * 32, sizeof(r));
+      float offset = 0.f, half[2] = {0.f, 0.f};
+      for (int64_t lv = 0; lv < levels; ++lv) {
+        float amax = 0.f;
+        for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(r[j]));
+        const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+        int8_t* q = xq + lv * M * K + (i / nb) * K + (i % nb) * 32;
+        int32_t sum[2] = {0, 0};
+        for (int j = 0; j < 32; ++j) {
+          const int v = static_cast<int>(std::nearbyint(r[j] * inv));
+          q[j] = static_cast<int8_t>(v);
+          sum[j / 16] += v;
+          r[j] -= static_cast<float>(v) * d;
+        }
+        xd[lv * M * nb + i] = d;
+        offset += d * static_cast<float>(sum[0] + sum[1]);
+        half[0] += d * static_cast<float>(sum[0]);
+        half[1] += d * static_cast<float>(sum[1]);
+      }
+      xs[i] = offset;
+      xs16[2 * i] = half[0];
+      xs16[2 * i + 1] = half[1];
+    }
+  });
+  return {xq, xd, xs, xs16, M, K};
+}
+
+}  // namespace localllm_cpu::gguf

@@ -1,0 +1,207 @@
+// The one dispatch point: every op of torch.ops.localllm_cpu is declared and bound here, and
+// this is the only file that sees at::Tensor. Each op checks its tensors (dtype, shape,
+// layout), allocates its output and calls the raw-pointer kernel of its concern:
+// attention.h, sampling.h, threads.h, gguf/gguf.h. Built by kernels/cpu_ops.py, which compiles
+// each file of kernels/cpu/ on its own (in parallel, cached per file) and links them.
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros_like.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "attention.h"
+#include "gguf/gguf.h"
+#include "sampling.h"
+#include "threads.h"
+
+namespace localllm_cpu {
+namespace {
+
+// ---- attention ----
+
+void check_cache(const at::Tensor& cache, const char* name) {
+  TORCH_CHECK(cache.dim() == 4 && cache.scalar_type() == at::kFloat && cache.is_contiguous(),
+              name, " must be a contiguous fp32 [num_blocks, block_size, kv_heads, head_dim] tensor");
+}
+
+void store_kv_op(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
+                 const at::Tensor& slot_mapping) {
+  check_cache(k_cache, "k_cache");
+  check_cache(v_cache, "v_cache");
+  TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat, "k and v must be fp32");
+  const int64_t row = k_cache.size(2) * k_cache.size(3);
+  TORCH_CHECK(k.size(1) * k.size(2) == row && v.size(1) * v.size(2) == row, "k/v heads do not match the cache");
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2),
+              "k and v rows must be contiguous");
+  const auto slots = slot_mapping.to(at::kLong).contiguous();
+  store_kv(k.data_ptr<float>(), k.stride(0), v.data_ptr<float>(), v.stride(0), k.size(0), row,
+           slots.data_ptr<int64_t>(), k_cache.size(0) * k_cache.size(1), k_cache.data_ptr<float>(),
+           v_cache.data_ptr<float>());
+}
+
+at::Tensor paged_attention_op(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                              const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                              const at::Tensor& block_tables, double scale, int64_t max_q, int64_t max_splits,
+                              int64_t window) {
+  check_cache(k_cache, "k_cache");
+  check_cache(v_cache, "v_cache");
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "q must be fp32 [T, H, D]");
+  const int64_t H = q.size(1), D = q.size(2), block_size = k_cache.size(1), KVH = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && D <= kMaxHeadDim, "head_dim mismatch or above ", kMaxHeadDim);
+  TORCH_CHECK(block_size <= kMaxBlock, "block_size above ", kMaxBlock);
+  TORCH_CHECK(H % KVH == 0 && H / KVH <= kMaxGroup, "query heads must be a multiple of KV heads (at most 16 per KV head)");
+  const auto qc = q.contiguous();
+  const auto qsl = query_start_loc.to(at::kInt).contiguous();
+  const auto lens = seq_lens.to(at::kInt).contiguous();
+  const auto tables = block_tables.to(at::kInt).contiguous();
+  auto out = at::zeros_like(qc);
+  const PagedAttention args{qc.data_ptr<float>(), H, D, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                            k_cache.size(0), block_size, KVH, qsl.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
+                            tables.data_ptr<int32_t>(), lens.size(0), tables.size(1), static_cast<float>(scale),
+                            max_q, max_splits, window};
+  paged_attention(args, out.data_ptr<float>());
+  return out;
+}
+
+// ---- sampling ----
+
+at::Tensor logits_rows(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "logits must be fp32 [rows, vocab]");
+  return logits.contiguous();
+}
+
+at::Tensor argmax_rows_op(const at::Tensor& logits) {
+  const auto x = logits_rows(logits);
+  auto out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  argmax_rows(x.data_ptr<float>(), x.size(0), x.size(1), out.data_ptr<int64_t>());
+  return out;
+}
+
+at::Tensor topk_indices_op(const at::Tensor& logits, int64_t k) {
+  const auto x = logits_rows(logits);
+  TORCH_CHECK(k >= 1 && k <= x.size(1), "k must be in [1, vocab]");
+  auto out = at::empty({x.size(0), k}, x.options().dtype(at::kLong));
+  topk_indices(x.data_ptr<float>(), x.size(0), x.size(1), k, out.data_ptr<int64_t>());
+  return out;
+}
+
+at::Tensor sample_rows_op(const at::Tensor& logits, at::ArrayRef<double> temps, at::ArrayRef<int64_t> top_ks,
+                          at::ArrayRef<double> top_ps, at::ArrayRef<double> min_ps, at::ArrayRef<double> u) {
+  const auto x = logits_rows(logits);
+  const auto n = static_cast<size_t>(x.size(0));
+  TORCH_CHECK(temps.size() == n && top_ks.size() == n && top_ps.size() == n && min_ps.size() == n && u.size() == n,
+              "one sampling parameter per row");
+  auto out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  sample_rows(x.data_ptr<float>(), x.size(0), x.size(1), temps.data(), top_ks.data(), top_ps.data(), min_ps.data(),
+              u.data(), out.data_ptr<int64_t>());
+  return out;
+}
+
+// ---- threads ----
+
+std::vector<int64_t> bind_threads_op(at::IntArrayRef cpus) {
+  return bind_threads(cpus.data(), static_cast<int64_t>(cpus.size()));
+}
+
+// ---- GGUF block linear ----
+
+#ifdef LOCALLLM_GGUF_KERNELS
+gguf::Layout checked_layout(int64_t type) {
+  const gguf::Layout l = gguf::layout(type);
+  TORCH_CHECK(l.block_weights > 0, "GGUF block type ", type, " has no CPU kernel");
+  return l;
+}
+
+// The packed tensors of an [N, K] weight, as gguf_repack makes them.
+std::vector<at::Tensor> empty_packed(int64_t type, int64_t N, int64_t K) {
+  const gguf::Layout l = checked_layout(type);
+  const int64_t tiles = N / 8, nb = K / 32;
+  return {at::empty({tiles, nb, l.code_bytes}, at::kByte), at::empty({tiles, nb, l.hi_bytes}, at::kByte),
+          at::empty({tiles, nb, l.scale_bytes}, at::kByte), at::empty({tiles, K / l.super, l.d_halves}, at::kHalf)};
+}
+
+gguf::Packed packed_view(const at::TensorList packed, int64_t type, int64_t& N, int64_t& K) {
+  TORCH_CHECK(packed.size() == 4 && packed[0].dim() == 3, "pass the 4 tensors gguf_repack made");
+  N = packed[0].size(0) * 8, K = packed[0].size(1) * 32;
+  const gguf::Layout l = checked_layout(type);
+  TORCH_CHECK(K % l.super == 0, "the packed tensors do not match the block type");
+  const auto want = empty_packed(type, 0, 0);
+  const int64_t sizes[4][3] = {{N / 8, K / 32, l.code_bytes}, {N / 8, K / 32, l.hi_bytes},
+                               {N / 8, K / 32, l.scale_bytes}, {N / 8, K / l.super, l.d_halves}};
+  for (size_t i = 0; i < 4; ++i) {
+    const auto& t = packed[i];
+    TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.scalar_type() == want[i].scalar_type() && t.dim() == 3 &&
+                    t.size(0) == sizes[i][0] && t.size(1) == sizes[i][1] && t.size(2) == sizes[i][2],
+                "packed tensor ", i, " does not match the block type or shape (pass what gguf_repack made)");
+  }
+  return {packed[0].data_ptr<uint8_t>(), packed[1].data_ptr<uint8_t>(), packed[2].data_ptr<uint8_t>(),
+          reinterpret_cast<const uint16_t*>(packed[3].data_ptr<at::Half>())};
+}
+
+std::vector<at::Tensor> gguf_repack_op(const at::Tensor& weight, int64_t type, int64_t in_features) {
+  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2 && weight.is_contiguous(),
+              "weight must be the contiguous uint8 [N, row_bytes] GGUF blocks");
+  const gguf::Layout l = checked_layout(type);
+  const int64_t N = weight.size(0), K = in_features;
+  TORCH_CHECK(K % l.block_weights == 0 && K % l.super == 0 && weight.size(1) == K / l.block_weights * l.block_bytes,
+              "GGUF row bytes do not match in_features");
+  TORCH_CHECK(N % 8 == 0, "out_features must be a multiple of 8");
+  auto packed = empty_packed(type, N, K);
+  gguf::repack(weight.data_ptr<uint8_t>(), N, K, type, packed[0].data_ptr<uint8_t>(), packed[1].data_ptr<uint8_t>(),
+               packed[2].data_ptr<uint8_t>(), reinterpret_cast<uint16_t*>(packed[3].data_ptr<at::Half>()));
+  return packed;
+}
+
+at::Tensor gguf_linear_op(const at::Tensor& x, const at::TensorList packed, int64_t type, int64_t levels) {
+  TORCH_CHECK(levels == 1 || levels == 2, "levels must be 1 or 2");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be fp32 [M, K]");
+  int64_t N = 0, K = 0;
+  const gguf::Packed w = packed_view(packed, type, N, K);
+  TORCH_CHECK(x.size(1) == K, "x does not match the packed weight");
+  const auto xc = x.contiguous();
+  auto y = at::empty({x.size(0), N}, at::kFloat);
+  gguf::linear(xc.data_ptr<float>(), x.size(0), K, w, N, type, levels, y.data_ptr<float>());
+  return y;
+}
+
+at::Tensor gguf_dequantize_op(const at::TensorList packed, int64_t type, at::ScalarType dtype) {
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dequantize to float32 or bfloat16");
+  int64_t N = 0, K = 0;
+  const gguf::Packed w = packed_view(packed, type, N, K);
+  auto out = at::empty({N, K}, dtype);
+  gguf::dequantize(w, N, K, type, dtype == at::kBFloat16, out.data_ptr());
+  return out;
+}
+#endif
+
+}  // namespace
+}  // namespace localllm_cpu
+
+TORCH_LIBRARY(localllm_cpu, m) {
+  m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor seq_lens, "
+        "Tensor block_tables, float scale, int max_q, int max_splits=0, int window=0) -> Tensor");
+  m.def("argmax_rows(Tensor logits) -> Tensor");
+  m.def("topk_indices(Tensor logits, int k) -> Tensor");
+  m.def("sample_rows(Tensor logits, float[] temps, int[] top_ks, float[] top_ps, float[] min_ps, float[] u) -> Tensor");
+  // no tensor to dispatch on: a catch-all kernel
+  m.def("bind_threads(int[] cpus) -> int[]", &localllm_cpu::bind_threads_op);
+#ifdef LOCALLLM_GGUF_KERNELS
+  m.def("gguf_repack(Tensor weight, int type, int in_features) -> Tensor[]");
+  m.def("gguf_linear(Tensor x, Tensor[] packed, int type, int levels) -> Tensor");
+  m.def("gguf_dequantize(Tensor[] packed, int type, ScalarType dtype) -> Tensor");
+#endif
+}
+
+TORCH_LIBRARY_IMPL(localllm_cpu, CPU, m) {
+  m.impl("store_kv", &localllm_cpu::store_kv_op);
+  m.impl("paged_attention", &localllm_cpu::paged_attention_op);
+  m.impl("argmax_rows", &localllm_cpu::argmax_rows_op);
+  m.impl("topk_indices", &localllm_cpu::topk_indices_op);
+  m.impl("sample_rows", &localllm_cpu::sample_rows_op);
+#ifdef LOCALLLM_GGUF_KERNELS
+  m.impl("gguf_repack", &localllm_cpu::gguf_repack_op);
+  m.impl("gguf_linear", &localllm_cpu::gguf_linear_op);
+  m.impl("gguf_dequantize", &localllm_cpu::gguf_dequantize_op);
+#endif
+}

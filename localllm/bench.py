@@ -18,6 +18,10 @@ Workloads:
   chats decode the same number of tokens, once free and once under a JSON schema that cannot
   end sooner; inter-token latency (one step) and throughput of each, and the ratio (target:
   the grammar costs at most 10% of decode throughput).
+- ``spec`` (only when asked for; local engine): speculative decoding (n-gram proposals) on
+  and off, trials alternating so that load drift falls on both: single-stream decode speed
+  on a code file repeated and a RAG quote (replies that copy long spans of the prompt) and on sampled
+  prose, and 16 concurrent chats' throughput; with each case's acceptance rate.
 
 ``--compare static,sequential`` reruns the chat requests with static batching (batches of N
 start together, every row is padded to the batch's longest reply, and the next batch waits
@@ -43,8 +47,8 @@ import random
 import re
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -53,11 +57,12 @@ if TYPE_CHECKING:
 
     from localllm.engine.async_engine import AsyncEngine
     from localllm.engine.engine import LLMEngine, Prompt
+    from localllm.engine.spec_decode import SpeculativeConfig
     from localllm.server.remote import RemoteEngine
     from localllm.tokenizer import Tokenizer
 
 WORKLOADS = ("chats", "rag", "multiturn")
-EXTRA_WORKLOADS = ("guided",)  # run only when named
+EXTRA_WORKLOADS = ("guided", "spec")  # run only when named
 GUIDED_BATCHES = (1, 16)
 GUIDED_TOKENS = 128
 # JSON strings are where a mask is dearest (most of the vocabulary is allowed); 1,000 items
@@ -111,6 +116,7 @@ class BenchRequest:
     prompt: Prompt  # chat messages, text, or token ids
     max_tokens: int
     guided_json: dict[str, Any] | None = None  # constrain the reply to this schema
+    temperature: float = 0.0  # greedy unless a workload samples (seed 0 then: the same reply each time)
 
 
 @dataclass(slots=True)
@@ -171,7 +177,9 @@ class _Target:
         from localllm.server.remote import RemoteEngine
 
         self.engine = engine
-        self.llm: LLMEngine | None = None if isinstance(engine, RemoteEngine) else engine.engine
+        # the local engine: driven through its API on its own thread (AsyncEngine.call)
+        self.local_engine: AsyncEngine | None = None if isinstance(engine, RemoteEngine) else engine
+        self.llm: LLMEngine | None = None if self.local_engine is None else self.local_engine.engine  # reads only
         self.endpoint: str | None = engine.endpoint if isinstance(engine, RemoteEngine) else None
         self._metrics_ok = self.endpoint is not None
 
@@ -182,22 +190,38 @@ class _Target:
     def count_tokens(self, text: str) -> int | None:
         return len(self.llm.tokenizer.encode(text, add_special_tokens=False)) if self.llm else None
 
-    def reset_cache(self) -> None:
-        if self.llm is not None:  # the engine thread is idle between runs: nothing else touches it
-            self.llm.block_manager.reset_prefix_cache()
+    async def reset_cache(self) -> None:
+        """Forgets the local engine's cached prefixes, on its thread (a remote server keeps its
+        own: each mode's nonce keeps their prompts apart)."""
+        if self.local_engine is not None:
+            await self.local_engine.call(lambda e: e.reset_prefix_cache())
 
-    @contextmanager
-    def caching(self, enabled: bool) -> Iterator[None]:
-        if self.llm is None:
+    @asynccontextmanager
+    async def speculating(self, config: SpeculativeConfig | None) -> AsyncIterator[None]:
+        """Speculative decoding with ``config`` (None: off) in the local engine for the block
+        (a remote server keeps its own)."""
+        engine = self.local_engine
+        if engine is None:
             yield
             return
-        bm = self.llm.block_manager
-        before = bm.enable_prefix_caching
-        bm.enable_prefix_caching = enabled and before
+        before = await engine.call(lambda e: e.set_speculative(config))
         try:
             yield
         finally:
-            bm.enable_prefix_caching = before
+            await engine.call(lambda e: e.set_speculative(before))
+
+    @asynccontextmanager
+    async def caching(self, enabled: bool) -> AsyncIterator[None]:
+        """Prefix caching on or off in the local engine for the block, set on its thread."""
+        engine = self.local_engine
+        if engine is None:
+            yield
+            return
+        before = await engine.call(lambda e: e.set_prefix_caching(enabled))
+        try:
+            yield
+        finally:
+            await engine.call(lambda e: e.set_prefix_caching(before))
 
     async def kv_sample(self, client: httpx.AsyncClient | None) -> tuple[float | None, int | None, int | None, int | None]:
         """(KV usage, KV blocks used, batch size, preemptions so far), None where unknown."""
@@ -242,8 +266,8 @@ async def _one(target: _Target, req: BenchRequest, rid: str, pad_to: int | None 
     output; its latency still runs to the padded end, when a static batch hands results back."""
     from localllm.engine.sequence import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max(req.max_tokens, pad_to or 0), ignore_eos=True,
-                            guided_json=req.guided_json)
+    params = SamplingParams(temperature=req.temperature, max_tokens=max(req.max_tokens, pad_to or 0), ignore_eos=True,
+                            guided_json=req.guided_json, seed=0 if req.temperature else None)
     t0 = time.monotonic()
     final = None
     async for out in target.engine.generate(req.prompt, params, rid):
@@ -476,7 +500,7 @@ async def bench_chats(target: _Target, opts: BenchOptions, nonce: str) -> list[d
                 row["output_lengths"] = sorted({r.max_tokens for r in reqs})
                 _say(opts, f"chats N={n} {mix}: {mode} ({len(reqs)} requests, "
                            f"{sum(r.max_tokens for r in reqs):,} output tokens)")
-                target.reset_cache()
+                await target.reset_cache()
                 if mode == "continuous":
                     m, _ = await run_continuous(target, reqs, n)
                 elif mode == "static":
@@ -506,8 +530,8 @@ async def bench_rag(target: _Target, opts: BenchOptions, nonce: str) -> dict[str
                               {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
                              _scaled(32, opts.scale)) for i in range(opts.questions)]
         _say(opts, f"rag: {mode} ({opts.rag_tokens:,}-token document, {len(reqs)} questions)")
-        target.reset_cache()
-        with target.caching(mode != "nocache"):
+        await target.reset_cache()
+        async with target.caching(mode != "nocache"):
             m, results = await run_sequential(target, reqs, mode)
         first = results[0].ttft_s
         later = percentile([r.ttft_s for r in results[1:] if r.ttft_s is not None], 50)
@@ -524,7 +548,7 @@ async def bench_multiturn(target: _Target, opts: BenchOptions, nonce: str) -> di
     result: dict[str, Any] = {"modes": {}}
     for mode in _cache_modes(target, opts):
         _say(opts, f"multiturn: {mode} ({opts.turns} turns)")
-        target.reset_cache()
+        await target.reset_cache()
         run = _Run(target, mode)
         reply_tokens = _scaled(64, opts.scale)
 
@@ -539,7 +563,7 @@ async def bench_multiturn(target: _Target, opts: BenchOptions, nonce: str) -> di
                 run.results.append(r)
                 messages.append({"role": "assistant", "content": r.text})
 
-        with target.caching(mode != "nocache"):
+        async with target.caching(mode != "nocache"):
             m = run.metrics(await run.measure(work))
         ttfts = [r.ttft_s for r in run.results]
         second = ttfts[1] if len(ttfts) > 1 else None
@@ -570,7 +594,7 @@ async def bench_guided(target: _Target, opts: BenchOptions, nonce: str) -> list[
                                                                   f"{TOPICS[i % len(TOPICS)]}, as JSON."}],
                                      tokens, schema) for i in range(n)]
                 _say(opts, f"guided N={n}: {mode} ({n} requests x {tokens} tokens, run {rnd + 1} of 2)")
-                target.reset_cache()
+                await target.reset_cache()
                 m, _ = await run_continuous(target, reqs, n)
                 if mode not in best or m.output_tok_s > best[mode].output_tok_s:
                     best[mode] = m
@@ -587,15 +611,93 @@ async def bench_guided(target: _Target, opts: BenchOptions, nonce: str) -> list[
 
 PLAIN_RUNS = 4
 
+def code_file(functions: int, nonce: str) -> str:
+    """A Python module of ``functions`` small functions, different for each nonce."""
+    rng = random.Random(nonce)
+    parts = [f"# inventory tools, build {nonce}\nimport math\n"]
+    for i in range(functions):
+        a, b = rng.sample(_DOC_WORDS, 2)
+        op = rng.choice(["+", "-", "*"])
+        parts.append(f"\ndef {a}_{b}_{i}(items, factor={rng.randint(2, 9)}):\n"
+                     f"    \"\"\"Returns the {a} total of the {b} items.\"\"\"\n"
+                     f"    total = 0\n    for item in items:\n        total = total {op} item.{a} * factor\n"
+                     f"    return math.floor(total) if total > {rng.randint(10, 99)} else total\n")
+    return "".join(parts)
+
+
+SPEC_TRIALS = 3
+
+
+async def bench_spec(target: _Target, opts: BenchOptions, nonce: str) -> dict[str, Any]:
+    """Speculative decoding on against off, on one engine: the median single-stream decode
+    speed (tokens after the first over the time after it) of ``SPEC_TRIALS`` trials each,
+    alternating, per case; then 16 chats at once (where it should step aside). A remote
+    server runs as it was started (one mode, "served"): start it with and without its own
+    speculation to compare."""
+    from localllm.engine.spec_decode import SpeculativeConfig
+
+    config = (target.llm.speculative if target.llm is not None else None) or SpeculativeConfig()
+    modes = ("off", "on") if target.local else ("served",)
+    code = code_file(8, nonce)
+    doc = document(target, 600, nonce)
+    cases = {
+        # the default 135M model explains a file it is asked to edit; asked to repeat it, it copies
+        "code_copy": BenchRequest([{"role": "user", "content": f"Repeat this file exactly.\n\n```python\n{code}```"}],
+                                  _scaled(320, opts.scale)),
+        "rag_quote": BenchRequest([{"role": "system", "content": f"Answer from this document.\n\n{doc}"},
+                                   {"role": "user", "content": "Quote the document's first paragraph word for word."}],
+                                  _scaled(200, opts.scale)),
+        "prose": BenchRequest([{"role": "user", "content": f"[{nonce}] Write a short story about a lighthouse keeper."}],
+                              _scaled(200, opts.scale), temperature=0.7),
+    }
+    result: dict[str, Any] = {"config": asdict(config) if target.local else None, "modes": list(modes), "cases": {}}
+    for name, req in cases.items():
+        speeds: dict[str, list[float]] = {m: [] for m in modes}
+        drafted = accepted = 0
+        for trial in range(SPEC_TRIALS):
+            for mode in (modes if trial % 2 == 0 else modes[::-1]):
+                _say(opts, f"spec {name}: trial {trial + 1}/{SPEC_TRIALS}, speculation {mode}")
+                await target.reset_cache()
+                before = target.engine.stats()
+                async with target.speculating(config if mode == "on" else None):
+                    r = await _one(target, req, f"bench-spec-{name}-{mode}-{trial}-{nonce}")
+                after = target.engine.stats()
+                drafted += after.spec_num_draft_tokens - before.spec_num_draft_tokens
+                accepted += after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+                decode_s = r.latency_s - (r.ttft_s or 0.0)
+                speeds[mode].append((r.output_tokens - 1) / decode_s if decode_s > 0 else 0.0)
+        median = {m: percentile(v, 50) for m, v in speeds.items()}
+        result["cases"][name] = {
+            **{f"decode_tok_s_{m}": round(v or 0.0, 2) for m, v in median.items()},
+            "on_over_off": _ratio(median.get("on"), median.get("off")),
+            "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
+            "draft_tokens": drafted, "tokens": req.max_tokens,
+        }
+    # many chats: compute-bound steps, where speculation must step aside
+    streams = [BenchRequest([{"role": "user", "content": f"[{nonce}-{i}] Tell me about {QUESTIONS[i % len(QUESTIONS)]}"}],
+                            _scaled(64, opts.scale)) for i in range(32)]
+    rates: dict[str, float] = {}
+    for mode in modes:
+        _say(opts, f"spec: 16 chats, speculation {mode}")
+        await target.reset_cache()
+        async with target.speculating(config if mode == "on" else None):
+            m, _ = await run_continuous(target, streams, 16)
+        rates[mode] = m.output_tok_s
+    result["chats16"] = {**{f"tok_s_{m}": round(v, 2) for m, v in rates.items()},
+                         "on_over_off": _ratio(rates.get("on"), rates.get("off"))}
+    return result
+
+
 def plain_greedy(llm: LLMEngine, prompt_ids: list[int], n_tokens: int) -> tuple[list[int], float]:
     """Greedy decode straight on the model runner's model (compiled where the engine's is) and
-    KV pool: one sequence, a contiguous block table, argmax; no scheduler, sampler or detokenizer. Returns the tokens
-    and the decode rate (tokens after the first, per second). The engine must be idle: the
-    blocks come from its block manager and go back to it unhashed."""
+    KV pool: one sequence, argmax; no scheduler, sampler or detokenizer. Returns the tokens and
+    the decode rate (tokens after the first, per second). Runs on the engine's thread
+    (``AsyncEngine.call``) while it is idle: the blocks are the engine's ``borrowed_blocks``,
+    the metadata the KV cache's own (engine/kv_cache.py)."""
     import torch
 
+    from localllm.engine.kv_cache import slot_mapping, varlen_metadata
     from localllm.engine.sampler import argmax_rows
-    from localllm.engine.sequence import SamplingParams, Sequence
     from localllm.models.llama import AttentionMetadata
 
     runner = llm.runner
@@ -603,36 +705,27 @@ def plain_greedy(llm: LLMEngine, prompt_ids: list[int], n_tokens: int) -> tuple[
     dev = runner.device
     bs = runner.block_size
     total = len(prompt_ids) + n_tokens
-    seq = Sequence("bench-plain", list(prompt_ids), SamplingParams(max_tokens=n_tokens), (), total + 1)
-    if not llm.block_manager.allocate(seq, total):
-        raise RuntimeError("the KV pool is too small for the plain loop")
-    try:
+    with llm.borrowed_blocks(prompt_ids, total) as seq, torch.inference_mode():
         # the table as wide as the runner's static one, so a compiled decode sees the shapes it
         # was compiled for (another width would make Dynamo compile a graph for this loop)
-        table = torch.zeros(1, runner.max_blocks_per_seq, dtype=torch.int32)
-        table[0, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
-        pos = torch.arange(total, dtype=torch.int64)
-        slots = (table[0].long()[pos // bs] * bs + pos % bs).to(dev)
-        pos = pos.to(dev)
-        table = table.to(dev)
+        row = seq.block_table + [0] * (runner.max_blocks_per_seq - len(seq.block_table))
         p = len(prompt_ids)
-        with torch.inference_mode():
-            meta = AttentionMetadata(slots[:p], torch.tensor([0, p], dtype=torch.int32, device=dev),
-                                     torch.tensor([p], dtype=torch.int32, device=dev), table, 0)
-            hidden = model(torch.tensor(prompt_ids, dtype=torch.int64, device=dev), pos[:p], meta)
-            token = int(model.compute_logits(hidden[-1:]).argmax(-1))
-            tokens = [token]
-            qsl = torch.tensor([0, 1], dtype=torch.int32, device=dev)
-            t0 = time.monotonic()
-            for i in range(p, total - 1):
-                meta = AttentionMetadata(slots[i : i + 1], qsl, torch.tensor([i + 1], dtype=torch.int32, device=dev),
-                                         table, 1)
-                logits = runner.decode_logits(torch.tensor([token], dtype=torch.int64, device=dev), pos[i : i + 1], meta)
-                token = int(argmax_rows(logits)[0])  # the engine's greedy pick; int() syncs, as it does
-                tokens.append(token)
-            elapsed = time.monotonic() - t0
-    finally:
-        llm.block_manager.free(seq)
+        pos, meta = varlen_metadata([0], [p], [row], bs, 0, dev)
+        hidden = model(torch.tensor(prompt_ids, dtype=torch.int64, device=dev), pos, meta)
+        token = int(model.compute_logits(hidden[-1:]).argmax(-1))
+        tokens = [token]
+        table = meta.block_tables
+        pos = torch.arange(total, dtype=torch.int64, device=dev)
+        slots = slot_mapping(table, torch.zeros_like(pos), pos, bs)  # every position's, made once
+        qsl = torch.tensor([0, 1], dtype=torch.int32, device=dev)
+        t0 = time.monotonic()
+        for i in range(p, total - 1):
+            meta = AttentionMetadata(slots[i : i + 1], qsl, torch.tensor([i + 1], dtype=torch.int32, device=dev),
+                                     table, 1)
+            logits = runner.decode_logits(torch.tensor([token], dtype=torch.int64, device=dev), pos[i : i + 1], meta)
+            token = int(argmax_rows(logits)[0])  # the engine's greedy pick; int() syncs, as it does
+            tokens.append(token)
+        elapsed = time.monotonic() - t0
     return tokens, (len(tokens) - 1) / elapsed if elapsed > 0 else 0.0
 
 
@@ -651,11 +744,11 @@ async def bench_plain(target: _Target, opts: BenchOptions) -> dict[str, Any]:
     plain_tokens: list[int] = []
     engine_tokens: list[int] = []
     for _ in range(PLAIN_RUNS):
-        target.reset_cache()
+        await target.reset_cache()
         # on the engine thread, as the engine's own steps: one OpenMP team for both
         plain_tokens, rate = await engine.call(lambda e: plain_greedy(e, prompt, n))
         plain_rates.append(rate)
-        target.reset_cache()
+        await target.reset_cache()
         final = None
         async for out in target.engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=n,
                                                                        ignore_eos=True)):
@@ -701,6 +794,8 @@ async def run_bench(engine: AsyncEngine | RemoteEngine, opts: BenchOptions) -> d
         report["multiturn"] = await bench_multiturn(target, opts, nonce)
     if "guided" in opts.workloads:
         report["guided"] = await bench_guided(target, opts, nonce)
+    if "spec" in opts.workloads:
+        report["spec"] = await bench_spec(target, opts, nonce)
     report["bench_wall_s"] = round(time.monotonic() - started, 2)
     return report
 
@@ -760,6 +855,19 @@ def format_report(r: dict[str, Any]) -> str:
                   _mode_line("free", f), _mode_line("guided", g),
                   f"    step (ITL p50) guided/free {row['itl_guided_over_free']}x, throughput guided/free "
                   f"{row['throughput_guided_over_free']}x (target >= 0.9)"]
+    spec = r.get("spec")
+    if spec:
+        cfg = spec["config"]
+        how = f"{cfg['method']}, k <= {cfg['num_speculative_tokens']}" if cfg else "as the server was started"
+        modes = spec["modes"]
+        lines += ["", f"spec: speculative decoding ({how}), single-stream decode tok/s, median of {SPEC_TRIALS} trials",
+                  f"  {'case':<11} " + " ".join(f"{m + ' tok/s':>12}" for m in modes) + f" {'on/off':>7} {'accepted':>9}"]
+        for name, c in spec["cases"].items():
+            lines.append(f"  {name:<11} " + " ".join(f"{c['decode_tok_s_' + m]:>12.1f}" for m in modes)
+                         + f" {_fmt(c['on_over_off']):>7} {_pct(c['acceptance_rate']):>9}")
+        c16 = spec["chats16"]
+        lines.append("  16 chats    " + " ".join(f"{c16['tok_s_' + m]:>12.1f}" for m in modes)
+                     + f" {_fmt(c16['on_over_off']):>7}  (aggregate tok/s)")
     lines.append(f"\n(bench wall time {r['bench_wall_s']:.0f} s; TTFT in s; peak KV = share of the pool held)")
     return "\n".join(lines)
 
@@ -802,7 +910,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--endpoint", default=None, help="benchmark this OpenAI-compatible server instead")
     p.add_argument("--api-key", default=None, help="bearer token for --endpoint")
     p.add_argument("--workload", type=_csv(str, WORKLOADS + EXTRA_WORKLOADS), default=WORKLOADS,
-                   help="default chats,rag,multiturn; guided (constrained against free decoding) when named")
+                   help="default chats,rag,multiturn; guided (constrained against free decoding) and spec (speculative"
+                        " decoding on against off) when named")
     p.add_argument("--chats", type=_positive_ints, default=(1, 4, 16, 64), help="concurrent chats N (default 1,4,16,64)")
     p.add_argument("--mix", type=_csv(str, MIXES), default=MIXES, help="chat output-length mixes (default mixed,straggler)")
     p.add_argument("--compare", type=_csv(str, COMPARE_MODES), default=(),

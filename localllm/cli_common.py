@@ -16,6 +16,7 @@ from localllm.errors import LocalLLMError
 
 if TYPE_CHECKING:
     from localllm.engine.engine import EngineConfig
+    from localllm.engine.spec_decode import SpeculativeConfig
     from localllm.engine.sequence import SamplingParams
 
 # (stage, done, total) from a loading thread; total == 0 means "size unknown"
@@ -59,6 +60,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="the same greedy tokens for a prompt alone or in any batch (GGUF plans on CPU): every row on"
                         " the integer kernels and an eager decode step, at some speed (docs/serve.md)")
     add_kv_cache_args(p)
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 5,'
+                        ' "prompt_lookup_max": 4} (proposals looked up in the prompt and reply; off in batches above'
+                        ' disable_by_batch_size, default 4)')
+    p.add_argument("--speculative-ngram", type=int, default=None, metavar="K",
+                   help="shorthand for --speculative-config with the n-gram method proposing up to K tokens a step")
 
 
 def add_kv_cache_args(p: argparse.ArgumentParser) -> None:
@@ -79,9 +86,22 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> Engin
     fields: dict[str, Any] = dict(
         model=args.model, dtype=args.dtype, device=args.device, quant=args.quant, max_model_len=args.max_model_len,
         compile=not args.no_compile, kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,
-        deterministic=args.deterministic,
+        deterministic=args.deterministic, speculative_config=speculative_from_args(args),
     )
     return EngineConfig(**{**fields, **overrides})
+
+
+def speculative_from_args(args: argparse.Namespace) -> SpeculativeConfig | None:
+    """``--speculative-config`` or ``--speculative-ngram``; raises ``LocalLLMError`` (exit 2)
+    naming what is wrong."""
+    from localllm.engine.spec_decode import SpeculativeConfig, speculative_config  # no torch
+
+    given, k = getattr(args, "speculative_config", None), getattr(args, "speculative_ngram", None)
+    if given is not None and k is not None:
+        raise LocalLLMError("--speculative-config and --speculative-ngram exclude each other; give one")
+    if k is not None:
+        return SpeculativeConfig(num_speculative_tokens=k)
+    return speculative_config(given)
 
 
 def given_sampling(args: argparse.Namespace) -> dict[str, Any]:

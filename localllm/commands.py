@@ -55,6 +55,8 @@ def run(args: argparse.Namespace) -> int:
         params = sampling_from_args(args, engine.sampling_defaults)
         result = asyncio.run(_reply(engine, prompt, params, echo=not args.json))
         if llm is not None:
+            if args.json:  # the report holds memory against the plan: the whole KV pool, held by then
+                llm.runner.kv_cache.wait_reserved()
             meter.stop()
             _finish_optimizing(llm)
     finally:
@@ -75,12 +77,13 @@ def run(args: argparse.Namespace) -> int:
 def _finish_optimizing(llm: LLMEngine) -> None:
     """A first start optimizes the decode step in the background while it answers. A reply
     shorter than that would end the process first, and every later start would begin it
-    again: wait for it, saying so (ctrl+c skips it; shutdown then ends its compilers)."""
+    again: wait for it, saying so (ctrl+c skips it; shutdown then ends its compilers). Graphs
+    still loading from disk are not waited for: this process is done with them, and the next
+    start loads them again (waiting was ~3.5 s of every short warm `run`)."""
     runner = llm.runner
-    if runner.preparing:  # loading the saved graphs (seconds), or building the missing ones
-        if runner.compiling:
-            print("\nlocalllm: finishing the optimization for this CPU, for the next start (ctrl+c skips it)",
-                  file=sys.stderr, flush=True)
+    if runner.compiling:  # building the missing graphs, saved for the next start
+        print("\nlocalllm: finishing the optimization for this CPU, for the next start (ctrl+c skips it)",
+              file=sys.stderr, flush=True)
         with contextlib.suppress(KeyboardInterrupt):
             runner.wait_compiled()
 
@@ -152,14 +155,23 @@ def _local_report(result: RequestOutput, llm: LLMEngine, meter: MemoryMeter) -> 
     check = compare_memory(llm.plan, meter.actual_bytes, compiled_graphs=llm.runner.graphs_compiled)
     measured_by = "torch.cuda.max_memory_allocated" if llm.device.type == "cuda" else "RSS growth"
     stats = llm.stats()
-    return {
+    report: dict[str, Any] = {
         "kv_cache": {"dtype": str(llm.kv_cache_dtype).removeprefix("torch."), "scales": llm.kv_scales},
         "prompt_token_ids": list(result.prompt_token_ids),
         "output_token_ids": list(result.outputs[0].token_ids),
         "memory": {**check.to_dict(), "measured_by": measured_by},
         "plan": llm.plan.to_dict(),
+        "load_notes": list(llm.load_notes),
         "engine": {**asdict(stats), "kv_usage": round(stats.kv_usage, 4)},
     }
+    if stats.spec_method is not None:  # speculative decoding: what it proposed, kept, and yielded a step
+        report["speculative"] = {
+            "method": stats.spec_method, "num_drafts": stats.spec_num_drafts,
+            "num_draft_tokens": stats.spec_num_draft_tokens, "num_accepted_tokens": stats.spec_num_accepted_tokens,
+            "acceptance_rate": round(stats.spec_acceptance_rate, 4),
+            "mean_acceptance_length": round(stats.spec_mean_acceptance_length, 4),
+        }
+    return report
 
 
 def pull(args: argparse.Namespace) -> int:

@@ -85,7 +85,8 @@ async def test_local_bench_report(engine: AsyncEngine) -> None:
 
 
 def test_bench_endpoint_cli(engine: AsyncEngine, capsys: pytest.CaptureFixture[str]) -> None:
-    from localllm.server.app import create_app, start_server_thread
+    from localllm.server.app import create_app
+    from localllm.server.serving import start_server_thread
 
     server = start_server_thread(create_app(engine))
     try:

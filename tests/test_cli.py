@@ -30,7 +30,7 @@ def assert_one_line_error(proc: subprocess.CompletedProcess[str], *fragments: st
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory, default_checkpoint) -> Path:
-    from localllm.models.loader import save_hf_folder
+    from localllm.models.export import save_hf_folder
 
     tok = tmp_path_factory.mktemp("tok")
     default_checkpoint.tokenizer.backend.save(str(tok / "tokenizer.json"))
@@ -147,6 +147,7 @@ def test_run_json_reports_tokens_timings_and_memory(tiny_model: Path) -> None:
     assert report["timings"]["ttft_s"] > 0 and report["timings"]["decode_tokens_per_s"] > 0
     assert report["memory"]["predicted_bytes"] > 0 and report["memory"]["actual_bytes"] > 0
     assert report["plan"]["model"] == report["model"] == str(tiny_model)  # not "the model"
+    assert report["load_notes"] == []  # loading decided nothing beyond the plan for a float HF model
 
 
 def test_run_takes_the_models_sampling_defaults_under_the_flags_given() -> None:

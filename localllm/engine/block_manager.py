@@ -182,6 +182,18 @@ class BlockManager:
         seq.block_table = []
         seq.block_hashes = []
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Gives back the blocks of ``seq`` past the first ``num_tokens`` tokens: those a
+        speculative step took for proposals that were rejected. They hold no hash (their
+        tokens were never computed as accepted), so they go to the front of the free queue."""
+        keep = -(-num_tokens // self.block_size)
+        while len(seq.block_table) > max(keep, len(seq.block_hashes)):
+            block = self.blocks[seq.block_table.pop()]
+            block.ref_count -= 1
+            assert block.ref_count == 0 and not block.token_ids, "a speculative block is private and unhashed"
+            self.free_queue[block.block_id] = None
+            self.free_queue.move_to_end(block.block_id, last=False)
+
     def _keep_tail(self, seq: Sequence) -> None:
         j, k = divmod(seq.num_computed_tokens, self.block_size)
         if not self.enable_prefix_caching or k == 0 or j >= len(seq.block_table) or len(seq.block_hashes) != j:

@@ -14,12 +14,13 @@ step runs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Callable, Iterator, Sequence as Seq
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -28,11 +29,12 @@ import torch
 from localllm.engine.block_manager import BlockManager
 from localllm.engine.guided import GrammarCompiler
 from localllm.engine.model_runner import ModelRunner
-from localllm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestState
+from localllm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestState, joined
 from localllm.engine.batch_invariant import make_batch_invariant
-from localllm.engine.sampler import SamplerOutput, sample
+from localllm.engine.sampler import SamplerOutput, sample, skip_uniforms, verify_drafts
 from localllm.engine.scheduler import Scheduler
 from localllm.engine.sequence import SamplingParams, Sequence, SequenceStatus, choice_seed
+from localllm.engine.spec_decode import SpeculativeConfig, speculative_config
 from localllm.errors import LocalLLMError
 from localllm.kernels import cpu_ops
 from localllm.tokenizer import IncrementalDetokenizer, Message
@@ -70,6 +72,9 @@ class EngineConfig:
     calculate_kv_scales: bool = False  # FP8 cache: scales from a calibration prompt, not 1.0
     # the same tokens for a prompt alone or in any batch (engine/batch_invariant.py); decodes eagerly
     deterministic: bool = False
+    # speculative decoding, vLLM's dict: {"method": "ngram", "num_speculative_tokens": 5,
+    # "prompt_lookup_max": 4} (engine/spec_decode.py); None: off
+    speculative_config: SpeculativeConfig | dict[str, int | str] | str | None = None
 
 
 @dataclass(slots=True)
@@ -91,6 +96,21 @@ class EngineStats:
     prompt_tokens: int
     max_batch_size_seen: int
     compiling: bool = False  # the decode step is being optimized in the background (eager meanwhile)
+    # speculative decoding (vLLM's counters): verify steps, tokens proposed in them, kept
+    spec_method: str | None = None  # None: off
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Share of proposed tokens kept."""
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else 0.0
+
+    @property
+    def spec_mean_acceptance_length(self) -> float:
+        """Tokens a verify step yielded on average (vLLM's "mean acceptance length")."""
+        return 1.0 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
 
     @property
     def kv_usage(self) -> float:
@@ -103,6 +123,8 @@ class LLMEngine:
         from localllm.engine.sampling_defaults import sampling_defaults
 
         self.config = config = config or EngineConfig()
+        # a bad speculative_config fails before the model loads
+        self.speculative: SpeculativeConfig | None = speculative_config(config.speculative_config)
         loaded = load_model(
             config.model, dtype=config.dtype, device=config.device, quant=config.quant,
             max_model_len=config.max_model_len, context=config.context, chats=config.chats,
@@ -113,6 +135,7 @@ class LLMEngine:
         self.model_name = loaded.name
         self.tokenizer: Tokenizer = loaded.tokenizer
         self.plan: Plan = loaded.plan
+        self.load_notes: tuple[str, ...] = loaded.notes  # loading's decisions beyond the plan
         self.precision = loaded.precision
         self.device = loaded.device
         self.max_model_len = loaded.max_model_len
@@ -145,6 +168,7 @@ class LLMEngine:
             self.block_manager,
             config.max_num_batched_tokens or self.plan.max_num_batched_tokens,
             config.max_num_seqs or self.plan.max_num_seqs,
+            speculative=self.speculative,
         )
         self.guided = GrammarCompiler(self.tokenizer, loaded.model.config.vocab_size)
         self.requests: dict[str, RequestState] = {}  # live requests only: a finished one leaves at once
@@ -155,6 +179,7 @@ class LLMEngine:
         self._hit_tokens = 0
         self._prompt_tokens = 0
         self._max_batch = 0
+        self._spec_counts = [0, 0, 0]  # verify steps, proposed tokens, accepted tokens
 
     @staticmethod
     def _compiles(config: EngineConfig) -> bool:
@@ -202,7 +227,8 @@ class LLMEngine:
         grammar = self.guided.matcher(params) if params.guided else None  # a cache hit from AsyncEngine
         seq = Sequence(request_id, ids, params, () if params.ignore_eos else self.tokenizer.eos_token_ids, limit)
         self.requests[request_id] = RequestState(
-            seq, text, IncrementalDetokenizer(self.tokenizer), RequestMetrics(time.monotonic()), grammar=grammar)
+            seq, text, IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
+            RequestMetrics(time.monotonic()), grammar=grammar)
         self.scheduler.add(seq)
         return request_id
 
@@ -238,21 +264,73 @@ class LLMEngine:
             outputs = [self._fail(self.requests[s.request_id], error, time.monotonic()) for s in batch.seqs]
             self._record_step(t0, batch.num_tokens, len(batch.seqs), 0)
             return outputs
+        # read before the drafts are cleared (Scheduler.end_verify)
+        spec_rows = sum(n for s, n in zip(batch.seqs, batch.num_new_tokens) if s.spec_token_ids)
+        num_spec = batch.num_speculative
+        seeded = {s: s.generator.get_state() for s in sampling_seqs
+                  if s.spec_token_ids and s.generator is not None and not s.params.greedy}
         sampled, failed = self._sample(sampling_seqs, logits)
-        self.scheduler.update(batch, [(seq, out.token_ids[row]) for seq, out, row in sampled])
+        self.scheduler.update(batch, [(seq, out.token_ids[row]) for seq, out, row in sampled
+                                      if not seq.spec_token_ids])
         now = time.monotonic()
         outputs = [self._fail(self.requests[seq.request_id], e, now) for seq, e in failed]
+        num_sampled = 0
         for seq, out, row in sampled:
             state = self.requests[seq.request_id]
             try:
-                outputs.append(self._process(state, out, row, now))
+                if seq.spec_token_ids:
+                    output, n = self._verify(state, out, row, now, seeded.get(seq))
+                    outputs.append(output)
+                    num_sampled += n
+                else:
+                    outputs.append(self._process(state, out, row, now))
+                    num_sampled += 1
             except Exception as e:  # noqa: BLE001 - detokenizing or a stop check failed: this request only
                 logger.exception("request %s failed after sampling", seq.request_id)
                 outputs.append(self._fail(state, _request_error(e, "detokenizing its token"), now))
-        self._record_step(t0, batch.num_tokens, len(batch.seqs), len(sampling_seqs))
-        self.scheduler.prefill_budget.observe(time.monotonic() - t0, batch.num_tokens - batch.num_decodes,
-                                              batch.num_decodes)
+        self._record_step(t0, batch.num_tokens, len(batch.seqs), num_sampled)
+        elapsed = time.monotonic() - t0
+        if batch.num_tokens == batch.num_decodes + spec_rows:
+            # decodes only (plain or speculative): what a verify step costs beside a plain one
+            self.scheduler.spec_costs.observe(batch.num_tokens, elapsed)
+        # a speculative decode is a decode here: its rows stretch the step as decodes do
+        self.scheduler.prefill_budget.observe(elapsed, batch.num_tokens - batch.num_decodes - spec_rows,
+                                              batch.num_decodes + num_spec)
         return outputs
+
+    def _verify(
+        self, state: RequestState, out: SamplerOutput, row: int, now: float, generator_state: torch.Tensor | None,
+    ) -> tuple[RequestOutput, int]:
+        """A speculative decode's output: the target's draws at rows ``row..row + k`` keep the
+        leading proposals equal to them (``verify_drafts``), and each token yielded goes
+        through what a plain step's token goes through (``Scheduler.append``, ``_process``:
+        finishing on tokens, grammar, text, stop strings) until the request finishes. Returns
+        one output carrying them all, and how many there were."""
+        seq = state.seq
+        drafts = list(seq.spec_token_ids)
+        targets = out.token_ids[row : row + len(drafts) + 1]
+        accepted = verify_drafts(targets, drafts)
+        output: RequestOutput | None = None
+        n = 0
+        for j in range(accepted + 1):
+            self.scheduler.append(seq, targets[j])
+            step_output = self._process(state, out, row + j, now)
+            output = step_output if output is None else joined(output, step_output)
+            n += 1
+            if seq.finished:
+                break
+        if generator_state is not None and seq.generator is not None:
+            # keep the draws of the tokens yielded only: the rest are the next step's
+            seq.generator.set_state(generator_state)
+            skip_uniforms(seq.generator, n)
+        if seq.spec is not None and seq.spec.drafts:
+            self.scheduler.end_verify(seq, accepted)
+        counts = self._spec_counts
+        counts[0] += 1
+        counts[1] += len(drafts)
+        counts[2] += accepted
+        assert output is not None
+        return output, n
 
     def _sample(
         self, seqs: list[Sequence], logits: torch.Tensor | None
@@ -264,10 +342,13 @@ class LLMEngine:
             return [], []
         generators = [(s.generator, s.generator.get_state()) for s in seqs if s.generator is not None]
         grammars = [self.requests[s.request_id].grammar for s in seqs]
+        counts = [1 + len(s.spec_token_ids) for s in seqs]  # a speculative decode has a row per position
+        starts = list(itertools.accumulate(counts, initial=0))
         with torch.inference_mode():
             try:
-                out = sample(logits, seqs, grammars)
-                return [(s, out, i) for i, s in enumerate(seqs)], []
+                out = sample(logits, [s for s, c in zip(seqs, counts) for _ in range(c)],
+                             [g for g, c in zip(grammars, counts) for _ in range(c)])
+                return [(s, out, starts[i]) for i, s in enumerate(seqs)], []
             except Exception:  # noqa: BLE001 - find out which rows it was
                 logger.exception("batched sampling failed; sampling the %d rows one at a time", len(seqs))
             for g, state in generators:
@@ -276,7 +357,8 @@ class LLMEngine:
             failed: list[tuple[Sequence, Exception]] = []
             for i, s in enumerate(seqs):
                 try:
-                    sampled.append((s, sample(logits[i : i + 1], [s], grammars[i : i + 1]), 0))
+                    c = counts[i]
+                    sampled.append((s, sample(logits[starts[i] : starts[i] + c], [s] * c, [grammars[i]] * c), 0))
                 except Exception as e:  # noqa: BLE001 - this request's own failure
                     failed.append((s, _request_error(e, "sampling its token")))
         return sampled, failed
@@ -319,6 +401,43 @@ class LLMEngine:
         rate = num_sampled / max(self._last_step, 1e-9)
         self._tok_rate = rate if self._tok_rate == 0 else 0.8 * self._tok_rate + 0.2 * rate
 
+    # ---- the prefix cache and the pool's blocks, for benchmarks (on the engine's thread) ----
+
+    def set_speculative(self, config: SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """Speculative decoding from the next step on with ``config`` (None: off); returns the
+        config before. For benchmarks that compare both on one engine; call it on the thread
+        that steps."""
+        before, self.speculative = self.speculative, config
+        self.scheduler.speculative = config
+        return before
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets the cached prefixes of every free block (vLLM's name); running sequences keep
+        theirs. Under ``AsyncEngine``, through ``call``: the block manager is the engine
+        thread's."""
+        self.block_manager.reset_prefix_cache()
+
+    def set_prefix_caching(self, enabled: bool) -> bool:
+        """Turns prefix caching on or off for the requests scheduled from now on (off when the
+        engine was built without it); returns the previous setting, to restore."""
+        before = self.block_manager.enable_prefix_caching
+        self.block_manager.enable_prefix_caching = enabled and self.config.enable_prefix_caching
+        return before
+
+    @contextlib.contextmanager
+    def borrowed_blocks(self, token_ids: list[int], num_tokens: int) -> Iterator[Sequence]:
+        """A sequence of ``token_ids`` whose block table covers ``num_tokens`` tokens of the KV
+        pool, its blocks freed (unhashed) on exit: for a loop that drives the runner's model
+        directly (the benchmark's plain loop). The engine must be idle, and stays so meanwhile."""
+        assert not self.has_unfinished(), "blocks are lent only while no request runs"
+        seq = Sequence("borrowed-blocks", list(token_ids), SamplingParams(max_tokens=1), (), num_tokens + 1)
+        if not self.block_manager.allocate(seq, num_tokens):
+            raise LocalLLMError(f"the KV pool has no room for {num_tokens} tokens")
+        try:
+            yield seq
+        finally:
+            self.block_manager.free(seq)
+
     # ---- metrics ----
 
     def stats(self) -> EngineStats:
@@ -341,6 +460,10 @@ class LLMEngine:
             prompt_tokens=self._prompt_tokens,
             max_batch_size_seen=self._max_batch,
             compiling=self.runner.compiling,
+            spec_method=self.speculative.method if self.speculative is not None else None,
+            spec_num_drafts=self._spec_counts[0],
+            spec_num_draft_tokens=self._spec_counts[1],
+            spec_num_accepted_tokens=self._spec_counts[2],
         )
 
     def generate(

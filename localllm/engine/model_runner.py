@@ -1,8 +1,8 @@
 """Turns a scheduled batch into one forward pass over the paged KV cache.
 
 The batch is flat (varlen): the new tokens of every sequence back to back, decodes first,
-described by ``AttentionMetadata``. Slot mapping and positions are computed with tensor ops
-from per-sequence offsets, so the Python work per step is one short loop over sequences.
+described by ``AttentionMetadata`` (engine/kv_cache.py makes it, and owns the KV pool the
+runner steps over), so the Python work per step is one short loop over sequences.
 Pure-decode steps run on static input buffers (the batch padded to a size bucket, padding
 rows writing nowhere), which the step writes row by row through numpy views: on CUDA they
 replay CUDA graphs captured per bucket; on CPU they call the forward compiled by
@@ -30,12 +30,13 @@ from pathlib import Path
 
 import torch
 
+from localllm.engine.kv_cache import KVCache, varlen_metadata
 from localllm.engine.scheduler import ScheduledBatch
 from localllm.engine.sequence import Sequence
 from localllm.hardware.probe import cpus_for_threads
 from localllm.kernels import cpu_ops
 from localllm.models import forward_context
-from localllm.models.llama import AttentionMetadata, LlamaForCausalLM, kv_scale_tensor
+from localllm.models.llama import AttentionMetadata, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -55,9 +56,9 @@ class StepInputs:
 
 
 class ModelRunner:
-    """Owns the model and the KV pool: per layer, a K and a V ``[num_blocks, block_size, kv_heads, head_dim]``,
-    and for an FP8 pool its per-layer K and V scales ``[2, layers]`` (fp32; the pool stores
-    ``K / k_scale``), which never change after start-up.
+    """Steps the model over its KV pool (``kv_cache``, a ``KVCache``: per layer a K and a V
+    ``[num_blocks, block_size, kv_heads, head_dim]`` and for an FP8 pool the K and V scales,
+    which never change after start-up).
 
     Invariant: after ``execute`` returns, the KV of every scheduled token is in the pool at the
     slot its sequence's block table gives for its position.
@@ -84,25 +85,15 @@ class ModelRunner:
         (k_scale, v_scale) per layer for an FP8 pool; default 1.0 (vLLM's).
         ``compile_in_background``: decode graphs missing from disk are built on a thread while
         the eager path serves (``_compile_decode``)."""
-        cfg = model.config
         self.model = model
         self.device = model.device
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_blocks_per_seq = -(-max_model_len // block_size)
-        # One tensor per layer and per K/V, not views of one pool: torch.compile treats views
-        # of one base that an op mutates as a "synthetic base" and copies the whole base per
-        # layer (measured: the 1 GB pool copied 30 times a step).
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.kv_scales = kv_scale_tensor(kv_scales, cfg.num_layers, self.device)
-        for i, layer in enumerate(model.model.layers):
-            # zeros touch every page now: the pool is reserved up front, and measured
-            k, v = (torch.zeros(shape, dtype=kv_dtype, device=self.device) for _ in range(2))
-            layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
-            layer.self_attn.k_scale = self.kv_scales[0, i]
-            layer.self_attn.v_scale = self.kv_scales[1, i]
-            self.kv_caches.append((k, v))
+        # the pool, built from the model's per-layer KV spec and attached to its attention
+        # layers by its one owner; its pages are held soon after, off this thread
+        self.kv_cache = KVCache.for_model(model, num_blocks, block_size, kv_dtype, kv_scales)
+        self.kv_cache.reserve_in_background()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # The static-buffer decode path: batch buckets and the callable that runs one bucket.
         self.buckets: list[int] = []
@@ -117,6 +108,7 @@ class ModelRunner:
         self._compile_thread: threading.Thread | None = None
         self._built: dict[int, Callable[..., torch.Tensor]] | None = None  # built, not yet switched to
         self._cancelled = False  # stop_compile() was called: the compile thread stops at its next graph
+        self._stepped = threading.Event()  # the first step has run (the compile thread waits for it)
         # the CPUs the forward's OpenMP threads are bound to, one per core (None: the OS places them)
         self.thread_cpus = _thread_cpus() if self.device.type == "cpu" else None
         self._bound_for_good: threading.Thread | None = None  # the thread keep_threads_bound bound
@@ -132,8 +124,18 @@ class ModelRunner:
             self._compile_decode(progress, compile_in_background)
 
     @property
+    def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's (K, V) pool tensors (``KVCache.layers``)."""
+        return self.kv_cache.layers
+
+    @property
+    def kv_scales(self) -> torch.Tensor:
+        """The FP8 scales ``[2, layers, 1]`` (``KVCache.scales``)."""
+        return self.kv_cache.scales
+
+    @property
     def kv_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for kv in self.kv_caches for t in kv)
+        return self.kv_cache.nbytes
 
     # ---- inputs ----
 
@@ -147,34 +149,20 @@ class ModelRunner:
         row = 0
         for seq, n in zip(seqs, counts):
             start = seq.num_computed_tokens
-            input_ids += seq.token_ids[start : start + n]
+            drafts = seq.spec_token_ids  # a speculative decode: its last token, then the proposals
+            input_ids += seq.token_ids[start : start + n - len(drafts)]
+            input_ids += drafts
             starts.append(start)
             tables.append(seq.block_table)
             row += n
-            if start + n == seq.num_tokens:  # the prompt is done: this row yields a token
+            if start + n - len(drafts) == seq.num_tokens:  # the prompt is done: this row yields a token
                 sampling.append(seq)
-                logits_rows.append(row - 1)
-        width = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        q_lens = torch.tensor(counts, dtype=torch.int32)
-        starts_t = torch.tensor(starts, dtype=torch.int32)
-        query_start_loc = torch.zeros(len(seqs) + 1, dtype=torch.int32)
-        torch.cumsum(q_lens, 0, out=query_start_loc[1:])
-        seq_index = torch.repeat_interleave(torch.arange(len(seqs)), q_lens)
-        positions = torch.arange(row, dtype=torch.int64) - query_start_loc[seq_index] + starts_t[seq_index]
-        slots = block_tables[seq_index, positions // self.block_size].long() * self.block_size
-        slots += positions % self.block_size
+                logits_rows.extend(range(row - 1 - len(drafts), row))  # and each proposal's row one
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=slots.to(dev, non_blocking=True),
-            query_start_loc=query_start_loc.to(dev, non_blocking=True),
-            seq_lens=(starts_t + q_lens).to(dev, non_blocking=True),
-            block_tables=block_tables.to(dev, non_blocking=True),
-            num_decodes=batch.num_decodes,
-        )
+        positions, meta = varlen_metadata(starts, counts, tables, self.block_size, batch.num_decodes, dev)
         return StepInputs(
             torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True),
-            positions.to(dev, non_blocking=True),
+            positions,
             meta,
             torch.tensor(logits_rows, dtype=torch.int64).to(dev, non_blocking=True),
             sampling,
@@ -185,14 +173,19 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor | None]:
         """The forward pass: the sequences that yield a token this step, and their logits
-        (row i for sequence i; None when every sequence is mid-prefill). Sampling is the
-        engine's, so that one request's sampling failure stays that request's.
+        (None when every sequence is mid-prefill): one row per sequence, in order, but
+        ``1 + len(seq.spec_token_ids)`` consecutive rows for a speculative decode (its next
+        position's, then each proposal's). Sampling is the engine's, so that one request's
+        sampling failure stays that request's.
 
         On a CPU the calling thread's OpenMP team runs bound to ``thread_cpus``; the calling
         thread gets its own affinity back afterwards unless ``keep_threads_bound`` made it
         the engine's own (it may be the caller's, whose later threads would inherit it)."""
         with self._bound_threads():
-            return self._execute(batch)
+            out = self._execute(batch)
+        if not self._stepped.is_set():
+            self._stepped.set()
+        return out
 
     def keep_threads_bound(self) -> None:
         """Binds the calling thread's team for good: for a thread that only runs the engine.
@@ -217,14 +210,12 @@ class ModelRunner:
     def _execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor | None]:
         if self._built is not None:
             self._switch()
-        for src, dst in batch.block_copies:
-            if src != dst:
-                for k, v in self.kv_caches:
-                    k[dst] = k[src]
-                    v[dst] = v[src]
-        n = len(batch.seqs)
-        if self._decode_call is not None and batch.num_decodes == n and n <= self.buckets[-1]:
-            b = self._stage_decode(batch.seqs)
+        self.kv_cache.copy_blocks(batch.block_copies)
+        # a speculative decode's positions are decode rows too (``_stage_decode``)
+        n = batch.num_tokens
+        if (self._decode_call is not None and batch.num_decodes + batch.num_speculative == len(batch.seqs)
+                and n <= self.buckets[-1]):
+            b = self._stage_decode(batch.seqs, n)
             out = self._decode_call(b)  # hidden states, or logits (compiled)
             if b != n:  # padding rows; a CPU bucket is its batch size (a slice here was 50 us, cold after the forward)
                 out = out[:n]
@@ -301,6 +292,10 @@ class ModelRunner:
         a low-priority thread while the static-buffer eager path serves, and the engine thread
         switches to the compiled graphs between two steps (``_switch``); without, it is all
         done now."""
+        # Imports Inductor, and Dynamo with it, here on the engine thread before the compile thread
+        # starts: the first eager forward imports Dynamo too (the CPU attention is a custom op,
+        # which torch wraps to disable Dynamo), and the two threads importing torch's modules at
+        # once handed the graph loader half-initialised ones (a saved graph then failed to load)
         _use_our_inductor_cache()
         # cpp_wrapper: the graph's ~30 x 25 kernel calls run from generated C++, not from a
         # generated Python function (measured: median step 36 -> 24 ms under load)
@@ -334,6 +329,12 @@ class ModelRunner:
         background = threading.current_thread() is self._compile_thread
         if background:
             _lower_priority()
+            # Loading the graphs (seconds of Python, holding the GIL) would slow the eager first
+            # answer: start once the first step is done, or after a quiet second
+            self._stepped.wait(FIRST_STEP_GRACE_S)
+            if self._cancelled:  # shut down meanwhile
+                self.compile_state = "failed"
+                return
         report = progress if progress is not None and not background else None  # seconds: no bar mid-answer
         graphs: dict[int, Callable[..., torch.Tensor]] = {}
         on_disk = [b for b in sizes if paths[b].is_file()]
@@ -469,7 +470,7 @@ class ModelRunner:
         checked at load."""
         h = hashlib.sha256()
         for part in ("dynamic-sizes-2", cpu_ops.cpu_signature(), torch.__version__, sys.version, str(cpp_wrapper),
-                     cpu_ops.SOURCE.read_text(), type(self.model).__qualname__, repr(self.model.config)):
+                     cpu_ops.source_text(), type(self.model).__qualname__, repr(self.model.config)):
             h.update(part.encode() + b"\0")
         for name, t in self.model.state_dict(keep_vars=True).items():
             h.update(f"{name}:{tuple(t.shape)}:{t.dtype}\0".encode())
@@ -526,23 +527,32 @@ class ModelRunner:
         torch.cuda.synchronize()
         self._decode_call = lambda b: (self.graphs[b].replay(), self._g_hidden[b])[1]
 
-    def _stage_decode(self, seqs: list[Sequence]) -> int:
-        """Writes a pure-decode batch of n sequences straight into the static buffers' first n
+    def _stage_decode(self, seqs: list[Sequence], n: int) -> int:
+        """Writes a pure-decode batch of ``n`` rows straight into the static buffers' first n
         rows (through numpy views of their host side: no tensor is made per step, where
         ``prepare`` makes ~15) and pads to the smallest bucket that holds it; returns the
         bucket. Rows past a table's length keep stale block ids: attention reads only the
-        blocks its sequence length covers."""
-        n, bs = len(seqs), self.block_size
+        blocks its sequence length covers.
+
+        A speculative decode takes one row per position (its last token, then each proposal),
+        each a one-token query over the same block table whose length ends at its own
+        position: every layer writes the step's K and V before attending, so that is the
+        causal attention of a ``1 + k``-token extend, run by the decode graph and kernels."""
+        bs = self.block_size
         b = next(s for s in self.buckets if s >= n)
         ids, pos, slots, lens, tables = self._host
-        for i, seq in enumerate(seqs):
+        i = 0
+        for seq in seqs:
             p = seq.num_computed_tokens
             table = seq.block_table
-            ids[i] = seq.token_ids[p]
-            pos[i] = p
-            slots[i] = table[p // bs] * bs + p % bs
-            lens[i] = p + 1
-            tables[i, : len(table)] = table
+            for j, token in enumerate((seq.token_ids[p], *seq.spec_token_ids)):
+                q = p + j
+                ids[i] = token
+                pos[i] = q
+                slots[i] = table[q // bs] * bs + q % bs
+                lens[i] = q + 1
+                tables[i, : len(table)] = table
+                i += 1
         slots[n:b] = -1
         lens[n:b] = 1
         if self._host_tensors is not None:  # a device elsewhere: one copy per buffer
@@ -555,6 +565,9 @@ class ModelRunner:
 
 
 LOADING_STAGE = "loading the decode step optimized for this CPU"
+# How long the background compile thread waits for the first step before it starts anyway
+# (a server or chat with no request yet: nothing to slow down)
+FIRST_STEP_GRACE_S = 1.0
 COMPILING_STAGE = "optimizing for this CPU in the background (first run only)"
 
 

@@ -62,6 +62,38 @@ def _uniforms(seqs: list[Sequence]) -> list[float]:
     return (1.0 - u).tolist()
 
 
+def skip_uniforms(generator: torch.Generator, n: int) -> None:
+    """Advances a seeded request's generator past ``n`` rows' draws, drawn as ``_uniforms``
+    draws them: a speculative step that drew a number for each of its rows rewinds, then
+    keeps only those of the tokens it yielded, so the request's later tokens are the ones it
+    gets without speculation."""
+    for _ in range(n):
+        torch.rand(1, dtype=torch.float64, generator=generator)
+
+
+def verify_drafts(targets: Seq[int], drafts: Seq[int]) -> int:
+    """How many of ``drafts`` (proposed tokens, ``len(targets) - 1`` of them) a speculative
+    step keeps, given ``targets[i]``, the token drawn (by ``sample``, with all its cuts) from
+    the target's distribution p_i at the position of ``drafts[i]``: the leading drafts equal
+    to their target draws. The step then yields ``targets[:accepted + 1]``.
+
+    Why this is Leviathan et al.'s rejection sampling for an n-gram proposal: the proposal is
+    a point mass q = 1 at the draft d. Their rule accepts d with chance min(1, p(d) / q(d)) =
+    p(d), and on rejection draws from norm(max(0, p - q)), which is p without d, renormalized.
+    Drawing x ~ p and accepting iff x = d does both at once: P(accept) = p(d), and given x != d,
+    x is distributed as p restricted to the other tokens. So every token yielded is distributed
+    as the target's own, and the next position's distribution is only used when the draft
+    before it was kept, i.e. when it is the true context. Greedy (the argmax) is the same rule.
+    Using the same uniform numbers as a plain decode makes a seeded request's tokens the same
+    as without speculation (``skip_uniforms``)."""
+    accepted = 0
+    for t, d in zip(targets, drafts):
+        if t != d:
+            break
+        accepted += 1
+    return accepted
+
+
 def sample_rows(
     logits: torch.Tensor, temps: list[float], top_ks: list[int], top_ps: list[float], min_ps: list[float],
     u: list[float],
@@ -189,7 +221,9 @@ def sample(
     logits: torch.Tensor, seqs: list[Sequence], grammars: Seq[GrammarMatcher | None] = ()
 ) -> SamplerOutput:
     """logits: [len(seqs), vocab] fp32, row i for seqs[i]; ``grammars[i]``, when given, is row
-    i's grammar (None: free text). ``logits`` is not modified."""
+    i's grammar (None: free text). ``logits`` is not modified. A sequence may own several
+    consecutive rows (a speculative step's positions; never one with penalties or a grammar):
+    each draws its own number, a seeded one from its generator in row order."""
     params = [s.params for s in seqs]
     want_logprobs = any(p.logprobs is not None for p in params)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None  # the model's, as vLLM reports

@@ -13,6 +13,13 @@ The scheduler is the one writer of a sequence's progress: ``schedule`` admits an
 blocks in the prefix cache, appends sampled tokens and finishes sequences on eos, a stop
 token or a length limit; ``finish`` ends one for any other reason (a stop string, an abort,
 an error). Finishing frees the blocks at once.
+
+Speculative decoding (``engine/spec_decode.py``), when configured: after the running decodes
+are placed, each may take k proposed tokens from an n-gram lookup in its own tokens (k from
+its measured acceptance and the measured cost of extra rows, 0 in batches above
+``disable_by_batch_size``, never at the cost of a preemption); ``append`` then takes the tokens
+the verification kept one at a time, counting as computed only the positions of accepted
+tokens, and ``end_verify`` gives back the blocks past them.
 """
 
 from __future__ import annotations
@@ -23,13 +30,15 @@ from typing import NamedTuple
 
 from localllm.engine.block_manager import BlockManager
 from localllm.engine.sequence import Sequence, SequenceStatus
+from localllm.engine.spec_decode import NgramIndex, SpecCosts, SpecState, SpeculativeConfig, choose_k, is_eligible
 from localllm.engine.step_budget import PrefillBudget
 
 
 class ScheduledBatch(NamedTuple):
-    """``seqs[i]`` computes ``num_new_tokens[i]`` tokens; decodes (one token) come first.
-    ``block_copies``: (source, destination) KV blocks to copy before the forward pass (the
-    partial-block prefix hits of newly admitted sequences)."""
+    """``seqs[i]`` computes ``num_new_tokens[i]`` tokens; decodes (one token) come first, then
+    speculative decodes (``1 + len(seq.spec_token_ids)`` tokens: the last token and the
+    proposals), then prompt chunks. ``block_copies``: (source, destination) KV blocks to copy
+    before the forward pass (the partial-block prefix hits of newly admitted sequences)."""
 
     seqs: list[Sequence]
     num_new_tokens: list[int]
@@ -41,10 +50,21 @@ class ScheduledBatch(NamedTuple):
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(len(s.spec_token_ids) for s in self.seqs)
+
+    @property
+    def num_speculative(self) -> int:
+        """Speculative decodes: the sequences after the ``num_decodes`` plain ones that verify
+        proposals."""
+        return sum(1 for s in self.seqs if s.spec_token_ids)
+
 
 class Scheduler:
     def __init__(
-        self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int
+        self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -54,6 +74,8 @@ class Scheduler:
         self.num_preemptions = 0
         # prompt tokens a step may take beside decodes, from the engine's step times
         self.prefill_budget = PrefillBudget()
+        self.speculative = speculative
+        self.spec_costs = SpecCosts()  # written by the engine after each decode-only step
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -95,6 +117,8 @@ class Scheduler:
                 prompt_budget -= n
             i += 1
 
+        budget -= self._propose(chosen, budget)
+
         # then waiting requests, first come first served, while blocks and budget allow
         while (self.waiting and budget > 0 and prompt_budget > 0 and len(self.running) < self.max_num_seqs
                and not preempted):
@@ -116,9 +140,65 @@ class Scheduler:
             budget -= n
             prompt_budget -= n
 
-        chosen.sort(key=lambda item: item[1] != 1)  # stable: decodes first, order kept
+        # stable: decodes first, then speculative decodes, then prompt chunks, order kept
+        chosen.sort(key=lambda item: 0 if item[1] == 1 else 1 if item[0].spec_token_ids else 2)
         num_decodes = sum(1 for _, n in chosen if n == 1)
         return ScheduledBatch([s for s, _ in chosen], [n for _, n in chosen], num_decodes, preempted, tuple(copies))
+
+    def _propose(self, chosen: list[tuple[Sequence, int]], budget: int) -> int:
+        """Proposals for the decodes in ``chosen`` (n-gram lookup in each one's own tokens),
+        as many as ``choose_k`` finds worth their cost, the blocks and ``budget`` allow; their
+        entries in ``chosen`` grow by them. Returns the tokens added."""
+        for seq, _ in chosen:
+            if seq.spec is not None:
+                seq.spec.drafts = []
+        config = self.speculative
+        if config is None:
+            return 0
+        decodes = [i for i, (seq, n) in enumerate(chosen) if n == 1 and seq.num_computed_tokens == seq.num_tokens - 1]
+        if not decodes or len(self.running) > config.disable_by_batch_size:
+            return 0  # a large batch: its steps are compute-bound (the index catches up later)
+        proposals: list[list[int]] = []
+        for i in decodes:
+            seq = chosen[i][0]
+            proposal = self._shadow(seq, config)
+            proposals.append(proposal[: self._room(seq, config.num_speculative_tokens)])
+        states = [chosen[i][0].spec for i in decodes]
+        ks = choose_k([s.acceptance if s is not None else 0.0 for s in states],
+                      [len(p) for p in proposals], self.spec_costs)
+        added = 0
+        for i, proposal, k in zip(decodes, proposals, ks):
+            seq = chosen[i][0]
+            k = min(k, budget - added)
+            if k <= 0 or seq.spec is None:
+                continue
+            if not self.block_manager.allocate(seq, seq.num_tokens + k):
+                continue  # no blocks to spare for speculation: a plain decode, nobody preempted
+            seq.spec.drafts = proposal[:k]
+            seq.spec.shadow = None  # verified, not watched
+            chosen[i] = (seq, 1 + k)
+            added += k
+        return added
+
+    def _shadow(self, seq: Sequence, config: SpeculativeConfig) -> list[int]:
+        """The sequence's proposal for this step (its spec state made on first use), noted as
+        the shadow guess that ``update`` checks against the token that comes."""
+        if seq.spec is None:
+            if not is_eligible(seq.params.guided, seq.params.has_penalties):
+                return []
+            seq.spec = SpecState(NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max))
+        proposal = seq.spec.index.propose(seq.token_ids, config.num_speculative_tokens)
+        seq.spec.shadow = proposal[0] if proposal else None
+        return proposal
+
+    @staticmethod
+    def _room(seq: Sequence, k: int) -> int:
+        """Drafts the sequence may verify: a step yields up to k + 1 tokens, which must stay
+        within ``max_tokens`` and the context limit."""
+        left = seq.max_model_len - seq.num_tokens
+        if seq.params.max_tokens is not None:
+            left = min(left, seq.params.max_tokens - seq.num_output_tokens)
+        return max(0, min(k, left - 1))
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute-style preemption: drop the KV, keep the tokens, requeue at the front.
@@ -133,20 +213,49 @@ class Scheduler:
     def update(self, batch: ScheduledBatch, sampled: Iterable[tuple[Sequence, int]]) -> None:
         """After ``batch``'s forward pass: every scheduled token is computed, and each sequence
         in ``sampled`` gets its new token. A sequence that hits eos, one of its stop token ids,
-        ``max_tokens`` or its context limit is finished here (and its blocks freed)."""
+        ``max_tokens`` or its context limit is finished here (and its blocks freed).
+
+        A speculative decode's progress is not counted here: only ``append`` knows which of
+        its positions were accepted."""
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            if seq.spec_token_ids:
+                continue
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq)
         for seq, token in sampled:
-            seq.token_ids.append(token)
-            params = seq.params
-            if token in seq.eos_token_ids:
-                self.finish(seq, "stop")
-            elif token in (params.stop_token_ids or ()):
-                self.finish(seq, "stop", token)
-            elif (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens
-                  or seq.num_tokens >= seq.max_model_len):
-                self.finish(seq, "length")
+            self.append(seq, token)
+
+    def append(self, seq: Sequence, token: int) -> None:
+        """Appends one sampled token to ``seq`` and finishes it on eos, a stop token id,
+        ``max_tokens`` or its context limit. For a speculative decode (called once per token
+        it yields, in order, until it finishes), every token before the new one is then
+        computed: the last token and the accepted proposals."""
+        spec = seq.spec
+        if spec is not None and spec.drafts:
+            seq.num_computed_tokens = seq.num_tokens  # the tokens before this one
+            self.block_manager.cache_full_blocks(seq)
+        elif spec is not None and spec.shadow is not None:
+            spec.observe(token == spec.shadow)
+            spec.shadow = None
+        seq.token_ids.append(token)
+        params = seq.params
+        if token in seq.eos_token_ids:
+            self.finish(seq, "stop")
+        elif token in (params.stop_token_ids or ()):
+            self.finish(seq, "stop", token)
+        elif (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens
+              or seq.num_tokens >= seq.max_model_len):
+            self.finish(seq, "length")
+
+    def end_verify(self, seq: Sequence, accepted: int) -> None:
+        """After a speculative decode's tokens were appended: ``accepted`` of its proposals
+        were kept. Records the acceptance and gives back the blocks past its tokens."""
+        spec = seq.spec
+        assert spec is not None and spec.drafts
+        spec.record(len(spec.drafts), accepted)
+        spec.drafts = []
+        if not seq.finished:
+            self.block_manager.trim(seq, seq.num_tokens)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
         """Ends ``seq`` for ``reason`` and frees its blocks at once. Finishing a finished

@@ -9,12 +9,15 @@ import math
 import numbers
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from localllm.errors import InvalidParameterError
 from localllm.tokenizer import lone_surrogate
+
+if TYPE_CHECKING:
+    from localllm.engine.spec_decode import SpecState
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 MAX_LOGPROBS = 20
@@ -235,7 +238,12 @@ class Sequence:
     preemption keeps them), so views of it handed out in earlier outputs stay valid. One
     writer each: the scheduler for ``status``, ``num_computed_tokens``, ``finish_reason`` and
     ``stop_reason``; the block manager for ``block_table`` and ``block_hashes``; the sampler
-    for ``penalties``."""
+    for ``penalties``; the scheduler for ``spec``.
+
+    Speculation: a step may compute ``1 + len(spec_token_ids)`` positions (the last token,
+    then the proposals); only those of accepted tokens count as computed, so
+    ``num_computed_tokens`` and the prefix-cache hashes never cover a rejected proposal, and
+    blocks past the accepted tokens go back to the free queue (``BlockManager.trim``)."""
 
     request_id: str
     token_ids: list[int]
@@ -253,6 +261,13 @@ class Sequence:
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     generator: torch.Generator | None = None
     penalties: PenaltyState | None = None  # made at the first step that applies a penalty
+    # speculative decoding (engine/spec_decode.py): None when off for this request
+    spec: SpecState | None = None
+
+    @property
+    def spec_token_ids(self) -> list[int]:
+        """The proposed tokens this step verifies after ``token_ids`` (none: a plain step)."""
+        return self.spec.drafts if self.spec is not None else []
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = self.num_prompt_tokens or len(self.token_ids)

@@ -1,6 +1,7 @@
 """Running ``LlamaForCausalLM`` outside the engine: prefill of fresh sequences and greedy
-decode over a private KV pool. Calibration (AWQ) and evaluation need logits and layer
-inputs for fixed token windows, with none of the scheduler's machinery.
+decode over a private KV pool (an engine/kv_cache.py ``KVCache``, as the engine's).
+Calibration (AWQ) and evaluation need logits and layer inputs for fixed token windows, with
+none of the scheduler's machinery.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from localllm.models.llama import AttentionMetadata, LlamaForCausalLM, kv_scale_tensor
+from localllm.engine.kv_cache import KVCache, contiguous_tables, decode_metadata, varlen_metadata
+from localllm.models.llama import AttentionMetadata, LlamaForCausalLM
 
 BLOCK_SIZE = 16
 
@@ -36,26 +38,9 @@ def prefill_batch(
 ) -> Batch:
     """``capacity[i]`` (default: its length) is how many tokens sequence i may grow to."""
     lengths = [len(s) for s in seqs]
-    per_seq = [-(-n // BLOCK_SIZE) for n in (capacity or lengths)]
-    width = max(per_seq)
-    tables = torch.zeros(len(seqs), width, dtype=torch.int32)
-    first = 0
-    slots = []
-    for i, (n, nb) in enumerate(zip(lengths, per_seq)):
-        tables[i, :nb] = torch.arange(first, first + nb, dtype=torch.int32)
-        slots.append(torch.arange(n) + first * BLOCK_SIZE)  # contiguous blocks: slot = offset
-        first += nb
-    qsl = torch.zeros(len(seqs) + 1, dtype=torch.int32)
-    qsl[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
-    meta = AttentionMetadata(
-        slot_mapping=torch.cat(slots).to(device),
-        query_start_loc=qsl.to(device),
-        seq_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
-        block_tables=tables.to(device),
-        num_decodes=0,
-    )
+    tables = contiguous_tables(capacity or lengths, BLOCK_SIZE)
+    positions, meta = varlen_metadata([0] * len(seqs), lengths, tables, BLOCK_SIZE, 0, device)
     ids = torch.tensor([t for s in seqs for t in s], dtype=torch.int64, device=device)
-    positions = torch.cat([torch.arange(n) for n in lengths]).to(device)
     return Batch(ids, positions, meta, lengths)
 
 
@@ -68,27 +53,6 @@ class KVSpec:
     scales: Sequence[tuple[float, float]] | None = None
 
 
-class KVPool:
-    """One [blocks, block_size, kv_heads, head_dim] K and V tensor per layer, and their FP8
-    scales, attached to the model's attention layers the way the engine's ModelRunner does."""
-
-    def __init__(
-        self, model: LlamaForCausalLM, num_blocks: int, dtype: torch.dtype | None = None,
-        scales: Sequence[tuple[float, float]] | None = None,
-    ) -> None:
-        cfg = model.config
-        device = model.device
-        dtype = dtype or model.dtype
-        shape = (2, cfg.num_layers, num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
-        self.kv = torch.zeros(shape, dtype=dtype, device=device)
-        self.scales = kv_scale_tensor(scales, cfg.num_layers, device)
-        for i, layer in enumerate(model.model.layers):
-            layer.self_attn.k_cache = self.kv[0, i]
-            layer.self_attn.v_cache = self.kv[1, i]
-            layer.self_attn.k_scale = self.scales[0, i]
-            layer.self_attn.v_scale = self.scales[1, i]
-
-
 def device_of(model: LlamaForCausalLM) -> torch.device:
     return model.device
 
@@ -96,7 +60,7 @@ def device_of(model: LlamaForCausalLM) -> torch.device:
 @torch.inference_mode()
 def prefill_logits(model: LlamaForCausalLM, ids: Sequence[int], kv: KVSpec = KVSpec()) -> torch.Tensor:
     """Float32 logits ``[T, vocab]`` of one fresh sequence."""
-    KVPool(model, blocks_for([len(ids)]), kv.dtype, kv.scales)
+    KVCache.for_model(model, blocks_for([len(ids)]), BLOCK_SIZE, kv.dtype, kv.scales)
     b = prefill_batch([ids], device_of(model))
     return model.compute_logits(model(b.input_ids, b.positions, b.meta))
 
@@ -121,25 +85,21 @@ def greedy_generate(
     runs are comparable token for token), all prompts decoded together as one batch."""
     dev = device_of(model)
     total = [len(p) + max_new for p in prompts]
-    KVPool(model, blocks_for(total), kv.dtype, kv.scales)
+    KVCache.for_model(model, blocks_for(total), BLOCK_SIZE, kv.dtype, kv.scales)
     b = prefill_batch(prompts, dev, total)
     hidden = model(b.input_ids, b.positions, b.meta)
     last = b.meta.query_start_loc[1:].long() - 1
     nxt = model.compute_logits(hidden[last]).argmax(-1)
     out = [[int(t)] for t in nxt.tolist()]
     tables = b.meta.block_tables
-    seq_lens = b.meta.seq_lens.clone()
-    qsl = torch.arange(len(prompts) + 1, dtype=torch.int32, device=dev)
+    cached = b.meta.seq_lens.clone()  # tokens in the pool per sequence: the next one's position
     steps: list[float] = []
     for _ in range(max_new - 1):
         if dev.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        positions = seq_lens.long()  # the new token's position = tokens already cached
-        block = tables.gather(1, (positions // BLOCK_SIZE).unsqueeze(1).to(torch.int64)).squeeze(1)
-        slots = block.long() * BLOCK_SIZE + positions % BLOCK_SIZE
-        seq_lens = seq_lens + 1
-        meta = AttentionMetadata(slots, qsl, seq_lens, tables, len(prompts))
+        positions, meta = decode_metadata(cached, tables, BLOCK_SIZE)
+        cached = meta.seq_lens
         nxt = model.compute_logits(model(nxt, positions, meta)).argmax(-1)
         for seq, t in zip(out, nxt.tolist()):  # .tolist() waits for the step to finish
             seq.append(int(t))

@@ -60,22 +60,24 @@ def calibrate_kv_scales(model: LlamaForCausalLM, token_ids: Sequence[int]) -> li
     The prefill writes into a private pool (fp32 on CPU, the model dtype elsewhere) that this
     function attaches to the model; the caller attaches the engine's pool afterwards.
     """
-    from localllm.quant.forward import KVPool, blocks_for, device_of, prefill_batch
+    from localllm.engine.kv_cache import KVCache
+    from localllm.quant.forward import BLOCK_SIZE, blocks_for, device_of, prefill_batch
 
     token_ids = list(token_ids)[: model.cos_sin.shape[0]]
     dev = device_of(model)
     n = len(token_ids)
     dtype = torch.float32 if dev.type == "cpu" else model.lm_head.weight.dtype
-    pool = KVPool(model, blocks_for([n]), dtype)
+    cache = KVCache.for_model(model, blocks_for([n]), BLOCK_SIZE, dtype)
     batch = prefill_batch([list(token_ids)], dev)
     model(batch.input_ids, batch.positions, batch.meta)
-    layers = pool.kv.shape[1]
-    k, v = pool.kv.reshape(2, layers, -1, *pool.kv.shape[-2:])[:, :, :n].float()  # contiguous slots 0..n-1
-    k = k @ model.model.layers[0].self_attn.k_rotation  # this pool holds them unrotated; an FP8 one rotated
-    offsets = k.mean(dim=1)  # [layers, KVH, D]
-    k = k - offsets[:, None]
-    for layer, offset in zip(model.model.layers, offsets):
-        layer.self_attn.k_offset = offset.contiguous()
-    amax = torch.stack([x.abs().amax(dim=(1, 2, 3)) for x in (k, v)]).clamp(min=1e-6)  # [2, layers]
+    peaks = []
+    for attn, (k_pool, v_pool) in zip(model.attention_layers(), cache.layers):
+        # contiguous slots 0..n-1; this pool holds the keys unrotated, an FP8 one rotated
+        k = k_pool.flatten(0, 1)[:n].float() @ attn.k_rotation
+        v = v_pool.flatten(0, 1)[:n].float()
+        offset = k.mean(dim=0)  # [KVH, D]
+        attn.k_offset = offset.contiguous()
+        peaks.append(torch.stack([(k - offset).abs().amax(), v.abs().amax()]))
+    amax = torch.stack(peaks).t().clamp(min=1e-6)  # [2, layers]
     scales = (amax * HEADROOM / FP8_MAX).t().tolist()
     return [(k, v) for k, v in scales]

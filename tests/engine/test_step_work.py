@@ -23,7 +23,7 @@ STEPS = 8
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory, default_checkpoint) -> LLMEngine:
-    from localllm.models.loader import save_hf_folder
+    from localllm.models.export import save_hf_folder
 
     tok = tmp_path_factory.mktemp("tok")
     save_hf_folder(default_checkpoint, tok, tensors=iter([]))

@@ -61,6 +61,9 @@ class StoredMessage:
     parent_id: int | None = None
     sibling_index: int = 0  # place among the messages that share this one's parent, by age
     num_siblings: int = 1
+    # a thinking model's reasoning, kept apart from ``content`` (the answer): shown folded, never
+    # sent back as part of the reply ("" for user messages and for models that do not think)
+    reasoning: str = ""
 
 
 @dataclass(slots=True)
@@ -138,7 +141,12 @@ def _v3_branches(db: sqlite3.Connection) -> None:
     db.execute("CREATE TABLE app_state (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
 
 
-_MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_v1_tables, _v2_fts, _v3_branches]
+def _v4_reasoning(db: sqlite3.Connection) -> None:
+    # Replies stored before this version have no separate reasoning: "" keeps them as they were.
+    db.execute("ALTER TABLE messages ADD COLUMN reasoning TEXT NOT NULL DEFAULT ''")
+
+
+_MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_v1_tables, _v2_fts, _v3_branches, _v4_reasoning]
 HEAD = -1  # add_message's default parent: the conversation's current head
 SCHEMA_VERSION = len(_MIGRATIONS)
 
@@ -257,7 +265,7 @@ class History:
 
     def add_message(
         self, conversation_id: int, role: str, content: str, finish_reason: str | None = None,
-        meta: dict[str, Any] | None = None, parent_id: int | None = HEAD,
+        meta: dict[str, Any] | None = None, parent_id: int | None = HEAD, reasoning: str = "",
     ) -> StoredMessage:
         """Appends under ``parent_id`` (default: the head; None: a new first message) and makes
         the new message the head, in one transaction."""
@@ -267,20 +275,20 @@ class History:
                 row = db.execute("SELECT head_id FROM conversations WHERE id = ?", (conversation_id,)).fetchone()
                 parent_id = row[0] if row else None
             cur = db.execute(
-                "INSERT INTO messages (conversation_id, role, content, created, finish_reason, meta, parent_id)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (conversation_id, role, content, now, finish_reason, json.dumps(meta or {}), parent_id),
+                "INSERT INTO messages (conversation_id, role, content, created, finish_reason, meta, parent_id,"
+                " reasoning) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (conversation_id, role, content, now, finish_reason, json.dumps(meta or {}), parent_id, reasoning),
             )
             message_id = int(cur.lastrowid or 0)
             db.execute("UPDATE conversations SET updated = ?, head_id = ? WHERE id = ?",
                        (now, message_id, conversation_id))
             siblings = self._sibling_ids(conversation_id, parent_id)
         return StoredMessage(message_id, conversation_id, role, content, now, finish_reason, dict(meta or {}),
-                             parent_id, siblings.index(message_id), len(siblings))
+                             parent_id, siblings.index(message_id), len(siblings), reasoning)
 
     def update_message(
         self, message_id: int, *, content: str | None = None, finish_reason: str | None = None,
-        meta: dict[str, Any] | None = None,
+        meta: dict[str, Any] | None = None, reasoning: str | None = None,
     ) -> None:
         """Rewrites the given fields (None: unchanged) in one transaction: a streaming reply
         calls this about once a second, so a crash loses at most that much of it."""
@@ -294,6 +302,9 @@ class History:
         if meta is not None:
             sets.append("meta = ?")
             values.append(json.dumps(meta))
+        if reasoning is not None:
+            sets.append("reasoning = ?")
+            values.append(reasoning)
         if not sets:
             return
         with self._tx() as db:
@@ -432,7 +443,10 @@ class History:
             who = "User" if m.role == "user" else "Assistant"
             suffix = {"abort": " *(stopped)*", "interrupted": " *(interrupted)*", None: " *(interrupted)*"}.get(
                 m.finish_reason, "") if m.role == "assistant" else ""
-            lines += [f"## {who}{suffix}", "", m.content, ""]
+            lines += [f"## {who}{suffix}", ""]
+            if m.reasoning:  # folded, as the chat shows it
+                lines += ["<details><summary>Thinking</summary>", "", m.reasoning, "", "</details>", ""]
+            lines += [m.content, ""]
         return "\n".join(lines).rstrip() + "\n"
 
     def export_to_file(self, conversation_id: int, folder: Path | None = None) -> Path:
@@ -488,4 +502,5 @@ def _message(row: sqlite3.Row) -> StoredMessage:
     return StoredMessage(row["id"], row["conversation_id"], row["role"], row["content"], row["created"],
                          row["finish_reason"], meta, row["parent_id"],
                          row["sibling_index"] if "sibling_index" in keys else 0,
-                         row["num_siblings"] if "num_siblings" in keys else 1)
+                         row["num_siblings"] if "num_siblings" in keys else 1,
+                         row["reasoning"] if "reasoning" in keys else "")

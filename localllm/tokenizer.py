@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -35,6 +35,10 @@ PLAIN_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] | capitalize }}: {{ message['content'] + '\n\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
 )
+
+# The variables the renderer sets itself; chat_template_kwargs may not replace them.
+TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools", "bos_token", "eos_token",
+                             "raise_exception", "strftime_now"})
 
 # GGUF token types (llama.cpp's llama_token_type, gguf.TokenType); 5 is unused.
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _BYTE = 1, 2, 3, 4, 6
@@ -192,6 +196,14 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def is_special_token(self, text: str) -> bool:
+        """Whether ``text`` is one token that decoding with ``skip_special_tokens`` drops."""
+        tid = self.backend.token_to_id(text)
+        if tid is None:
+            return False
+        added = self.backend.get_added_tokens_decoder().get(tid)
+        return added is not None and added.special
+
     @property
     def supports_tools(self) -> bool:
         """Whether the chat template reads a ``tools`` variable, which is how HF hands it the
@@ -206,10 +218,20 @@ class Tokenizer:
 
     def apply_chat_template(
         self, messages: Sequence[Message], add_generation_prompt: bool = True,
-        tools: list[dict[str, Any]] | None = None,
+        tools: list[dict[str, Any]] | None = None, template_kwargs: Mapping[str, object] | None = None,
     ) -> str:
         """Renders in a sandbox: a template is code shipped by whoever published the model.
-        ``tools`` (OpenAI's shape) reach the template as HF passes them."""
+        ``tools`` (OpenAI's shape) reach the template as HF passes them; ``template_kwargs``
+        (vLLM's ``chat_template_kwargs``: ``enable_thinking``, ``reasoning_effort``...) as
+        further variables, which a template that does not read them ignores. An assistant
+        message's ``reasoning_content`` reaches the template under that name and as
+        ``thinking`` (gpt-oss's name): the template decides whether earlier reasoning goes
+        back into the prompt (Qwen3's and gpt-oss's leave it out of past turns)."""
+        extra = dict(template_kwargs or {})
+        reserved = sorted(set(extra) & TEMPLATE_VARIABLES)
+        if reserved:
+            raise LocalLLMError(f"chat template variable {reserved[0]!r} is set by localllm itself; "
+                                "leave it out of chat_template_kwargs")
         if self._template is None:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
@@ -224,7 +246,9 @@ class Tokenizer:
             for key, value in m.items():
                 if isinstance(value, str):
                     check_text(value, f"a chat message's {key}")
-        rendered = self._render(list(messages), add_generation_prompt, tools)
+        messages = [{**m, "thinking": m["reasoning_content"]}
+                    if isinstance(m.get("reasoning_content"), str) and "thinking" not in m else m for m in messages]
+        rendered = self._render(messages, add_generation_prompt, tools, extra)
         last = next((m["content"].strip() for m in reversed(messages)
                      if m["role"] == "user" and isinstance(m["content"], str) and m["content"].strip()), None)
         if last is None or last in rendered:
@@ -233,15 +257,19 @@ class Tokenizer:
         # without the text. The same conversation as text parts is what they expect.
         parts = [{**m, "content": [{"type": "text", "text": m["content"]}]} if isinstance(m["content"], str) else m
                  for m in messages]
-        rendered = self._render(parts, add_generation_prompt, tools)
+        rendered = self._render(parts, add_generation_prompt, tools, extra)
         if last not in rendered:
             raise LocalLLMError("the model's chat template leaves the user's message out of the prompt; "
                                 "send a raw prompt instead (--raw, or /v1/completions)")
         return rendered
 
-    def _render(self, messages: list[Any], add_generation_prompt: bool, tools: list[dict[str, Any]] | None) -> str:
+    def _render(
+        self, messages: list[Any], add_generation_prompt: bool, tools: list[dict[str, Any]] | None,
+        extra: dict[str, object],
+    ) -> str:
         try:
             return self._template.render(
+                **extra,
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 tools=tools,
@@ -253,9 +281,9 @@ class Tokenizer:
 
     def encode_chat(
         self, messages: Sequence[Message], add_generation_prompt: bool = True,
-        tools: list[dict[str, Any]] | None = None,
+        tools: list[dict[str, Any]] | None = None, template_kwargs: Mapping[str, object] | None = None,
     ) -> list[int]:
-        return self.encode_rendered(self.apply_chat_template(messages, add_generation_prompt, tools))
+        return self.encode_rendered(self.apply_chat_template(messages, add_generation_prompt, tools, template_kwargs))
 
     def encode_rendered(self, text: str) -> list[int]:
         """Ids of a rendered chat prompt. Most templates write the BOS token themselves; one that
@@ -398,20 +426,22 @@ class IncrementalDetokenizer:
     that decode to nothing), handed out as it decodes rather than let each token's cost grow.
     """
 
-    __slots__ = ("tokenizer", "ids", "prefix_offset", "read_offset")
+    __slots__ = ("tokenizer", "ids", "prefix_offset", "read_offset", "skip_special_tokens")
     MAX_PENDING = 8
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
+        # False keeps control tokens in the text (gpt-oss's <|channel|>: the reasoning parser reads them)
+        self.skip_special_tokens = skip_special_tokens
 
     def add(self, new_ids: Sequence[int]) -> str:
         self.ids.extend(new_ids)
-        decode = self.tokenizer.decode
-        prefix_text = decode(self.ids[self.prefix_offset : self.read_offset])
-        new_text = decode(self.ids[self.prefix_offset :])
+        decode, skip = self.tokenizer.decode, self.skip_special_tokens
+        prefix_text = decode(self.ids[self.prefix_offset : self.read_offset], skip)
+        new_text = decode(self.ids[self.prefix_offset :], skip)
         complete = len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd")
         if complete or len(self.ids) - self.read_offset > self.MAX_PENDING:
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from localllm.models.loader import open_checkpoint, save_hf_folder
+from localllm.models.export import save_hf_folder
+
+from localllm.models.formats import open_checkpoint
 from localllm.tokenizer import IncrementalDetokenizer, Tokenizer
 from tests.models.gguf_files import (
     EXTRA_CONTROL,

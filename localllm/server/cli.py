@@ -8,6 +8,7 @@ import sys
 
 from localllm.cli_common import add_engine_args, add_model_arg
 from localllm.errors import LocalLLMError
+from localllm.reasoning import AUTO, NONE, PARSER_NAMES
 from localllm.server.allow_lists import HOSTS_ENV, ORIGINS_ENV, allow_lists
 from localllm.server.sockets import bind_socket
 
@@ -48,6 +49,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S, metavar="S",
                    help="stop a request S seconds after it arrives and answer 504, or an error event when "
                         f"streaming (default {DEFAULT_REQUEST_TIMEOUT_S:g}; 0: no limit)")
+    p.add_argument("--reasoning-parser", default=None, choices=(AUTO, *PARSER_NAMES, NONE),
+                   help="how replies mark their reasoning, sent as 'reasoning_content' apart from 'content' "
+                        "(vLLM's names; default: from the model's chat template: <think> blocks as qwen3, "
+                        "harmony channels as openai_gptoss; 'none' leaves replies whole)")
     add_engine_args(p)
     p.set_defaults(func=serve)
 
@@ -61,7 +66,7 @@ def serve(args: argparse.Namespace) -> int:
     args.allow_lists = allow_lists(args.host, args.allowed_hosts, args.allowed_origins)
     # Bind before importing torch and loading the model: a busy port fails in a second.
     sock = bind_socket(args.host, args.port)
-    from localllm.server.app import serve_command
+    from localllm.server.serving import serve_command
 
     return serve_command(args, sock)
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from localllm.engine.sequence import MAX_LOGPROBS as MAX_TOP_LOGPROBS
 from localllm.engine.sequence import SEED_MAX, SEED_MIN
-from localllm.tokenizer import lone_surrogate
+from localllm.tokenizer import TEMPLATE_VARIABLES, lone_surrogate
 
 MAX_N = 32  # choices per request: each is a full sequence in the engine
 MAX_STOP = 16
@@ -166,6 +166,8 @@ class ChatRequest(GenerationRequest):
     messages: list[dict[str, Any]] = field(default_factory=list)
     logprobs: bool = False
     top_logprobs: int = 0
+    # further chat template variables (vLLM's chat_template_kwargs: enable_thinking, ...)
+    template_kwargs: dict[str, object] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -252,6 +254,8 @@ _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant"
 
 
 def _message(i: int, m: Any) -> dict[str, str]:
+    """role and content; an assistant turn's earlier reasoning (``reasoning_content``, or vLLM's
+    newer ``reasoning``) goes along, for the template to keep or drop."""
     where = f"messages[{i}]"
     if not isinstance(m, dict):
         raise _invalid(where, f"expected an object, got {_kind(m)}")
@@ -278,7 +282,40 @@ def _message(i: int, m: Any) -> dict[str, str]:
         content = "".join(texts)
     if not isinstance(content, str):
         raise _invalid(f"{where}.content", f"expected a string or an array of content parts, got {_kind(content)}")
-    return {"role": _ROLES[role], "content": content}
+    message = {"role": _ROLES[role], "content": content}
+    for key in ("reasoning_content", "reasoning"):
+        reasoning = m.get(key)
+        if reasoning is None or role != "assistant":
+            continue
+        if not isinstance(reasoning, str):
+            raise _invalid(f"{where}.{key}", f"expected a string, got {_kind(reasoning)}")
+        message["reasoning_content"] = reasoning
+    return message
+
+
+_REASONING_EFFORTS = ("low", "medium", "high")
+
+
+def _template_kwargs(body: dict[str, Any]) -> dict[str, object]:
+    """vLLM's ``chat_template_kwargs`` (any JSON object), plus OpenAI's ``reasoning_effort``,
+    which reaches the template under that name (gpt-oss's reads it) unless the object sets it."""
+    raw = body.get("chat_template_kwargs")
+    if raw is None:
+        kwargs: dict[str, object] = {}
+    elif not isinstance(raw, dict):
+        raise _invalid("chat_template_kwargs", f"expected an object, got {_kind(raw)}")
+    else:
+        kwargs = dict(raw)
+    reserved = sorted(set(kwargs) & TEMPLATE_VARIABLES)
+    if reserved:
+        raise APIError(400, f"'chat_template_kwargs': {reserved[0]!r} is set by the server itself; leave it out",
+                       param="chat_template_kwargs", code="invalid_value")
+    effort = _str(body, "reasoning_effort", None)
+    if effort is not None:
+        if effort not in _REASONING_EFFORTS:
+            raise _invalid("reasoning_effort", f"{effort!r} is not one of {', '.join(_REASONING_EFFORTS)}")
+        kwargs.setdefault("reasoning_effort", effort)
+    return kwargs
 
 
 def parse_chat(body: Any, defaults: Mapping[str, float | int] = _NO_DEFAULTS) -> ChatRequest:
@@ -299,7 +336,8 @@ def parse_chat(body: Any, defaults: Mapping[str, float | int] = _NO_DEFAULTS) ->
     common = _common(body, None, defaults)  # max_tokens None: until eos or the context ends
     if logprobs:
         common["sampling"]["logprobs"] = top_logprobs
-    return ChatRequest(**common, messages=parsed, logprobs=logprobs, top_logprobs=top_logprobs)
+    return ChatRequest(**common, messages=parsed, logprobs=logprobs, top_logprobs=top_logprobs,
+                       template_kwargs=_template_kwargs(body))
 
 
 def parse_completion(body: Any, defaults: Mapping[str, float | int] = _NO_DEFAULTS) -> CompletionRequest:

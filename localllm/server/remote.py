@@ -31,6 +31,7 @@ from localllm.engine.sequence import GUIDED_FIELDS, SamplingParams
 from localllm.errors import LocalLLMError
 
 if TYPE_CHECKING:
+    from localllm.reasoning import ReasoningFormat
     from localllm.tokenizer import Tokenizer
 
 UNKNOWN_TOKEN = -1
@@ -97,6 +98,7 @@ class RemoteEngine:
     ``LocalLLMError`` if the server cannot be reached or refuses the key."""
 
     tokenizer: Tokenizer | None = None  # the server tokenizes
+    reasoning: ReasoningFormat | None = None  # a server splits reasoning off itself (reasoning_content)
 
     def __init__(self, endpoint: str, api_key: str | None = None, model: str | None = None) -> None:
         self.endpoint = normalize_endpoint(endpoint)

@@ -4,14 +4,14 @@ The app owns the engine (or is lent one), the history database and the tabs. Eac
 :class:`ChatPane` with its own worker; the engine batches their requests together, and the
 status bar shows that happening (batch size, KV use, prefix-cache hits, the tab's context).
 The app is the panes' ``ChatHost`` and the palette's ``PaletteHost``; they reach it only
-through those and through messages.
+through those and through messages. The engine and its loading are the ``EngineHost``'s
+(``engine_host``), the status line is drawn by ``status_line``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import threading
 from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
@@ -25,8 +25,6 @@ from textual.css.query import NoMatches
 from textual.theme import Theme
 from textual.widgets import TabbedContent, TabPane
 
-from localllm.errors import LocalLLMError
-from localllm.hardware.planner import precision_label
 from localllm.history import History
 from localllm.tui.backend import (
     ChatConfig,
@@ -36,11 +34,12 @@ from localllm.tui.backend import (
     base_params,
     code_blocks,
     load_config,
-    memory_label,
     probe_report,
 )
-from localllm.tui.chat import ChatPane, Turn, describe
+from localllm.tui.chat import ChatPane
 from localllm.tui.commands import ChatCommands
+from localllm.tui.conversation import Turn, describe
+from localllm.tui.engine_host import EngineHost
 from localllm.tui.screens import (
     ConfirmScreen,
     HelpScreen,
@@ -51,6 +50,7 @@ from localllm.tui.screens import (
     RenameScreen,
     SettingsScreen,
 )
+from localllm.tui.status_line import STATUS_HZ, status_text
 from localllm.tui.widgets import ChatFooter, MessageView, PromptArea, StatusBar
 
 if TYPE_CHECKING:
@@ -60,8 +60,6 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-STATUS_HZ = 4  # status figures change slowly; 4 repaints a second are plenty and cheap
-FILL_WARN, FILL_FULL = 0.8, 0.95  # the context gauge turns yellow, then red
 TABS = Binding.Group("Tabs", compact=True)
 
 
@@ -117,21 +115,9 @@ class ChatApp(App[None]):
         self.config = config if config is not None else load_config()
         if default_params:
             self.config.params.update(default_params)
-        self._engine: ChatEngine | None = engine
-        self.engine_factory = engine_factory
-        self.endpoint = endpoint
-        self._owns_engine = False
-        self.model_request = model or self.config.model
-        self.engine_error: str | None = None
-        self.load_failure: str | None = None  # the last load failed and none succeeded since: exit code 2
-        self.loading = False
-        self.load_progress: tuple[str, int, int] = ("starting", 0, 0)
-        self._load_id = 0  # the latest load's number: an older load's engine is shut down, not used
-        self._closed = False  # unmounted: an engine that arrives now is shut down, not used
+        self.host = EngineHost(engine, engine_factory, endpoint=endpoint, model_request=model or self.config.model,
+                               post=self._from_thread, on_loaded=self._engine_loaded, on_failed=self._engine_failed)
         self._compiling = False  # the engine optimizes its decode step in the background (last seen)
-        self._engine_ready = asyncio.Event()
-        if engine is not None:
-            self._engine_ready.set()
         self._history_path = history_path
         self._history: History | None = None
         self._tab_counter = 0
@@ -168,12 +154,12 @@ class ChatApp(App[None]):
             self._activate(chat)
         self.set_interval(1 / STATUS_HZ, self.refresh_status)
         self.refresh_status()
-        if self._engine is None and self.engine_factory is not None:
-            if self.offer_pull and self.model_request is None and not _any_local_model():
+        if self.host.engine is None and self.host.factory is not None:
+            if self.offer_pull and self.host.model_request is None and not _any_local_model():
                 self._offer_default_pull()
             else:
-                self.load_engine(self.model_request)
-        elif self._engine is not None:
+                self.load_engine(self.host.model_request)
+        elif self.host.engine is not None:
             self._after_load()
 
     def _theme_changed(self, theme: Theme) -> None:
@@ -208,84 +194,57 @@ class ChatApp(App[None]):
         self.exit(return_code=2 if self.load_failure else 0)
 
     async def on_unmount(self) -> None:
-        self._closed = True
+        self.host.closing()
         await self.stop_all()
-        if self._engine is not None and self._owns_engine:
-            engine, self._engine = self._engine, None
-            await asyncio.to_thread(engine.shutdown)
+        await self.host.shutdown()
         if self._history is not None:
             self._history.close()
 
-    # ---- the engine (ChatHost) ----
+    # ---- the engine (ChatHost): held by EngineHost ----
 
     @property
     def engine(self) -> ChatEngine | None:
-        return self._engine
+        return self.host.engine
 
     @property
     def engine_loading(self) -> bool:
-        return self.loading
+        return self.host.loading
+
+    @property
+    def loading(self) -> bool:
+        return self.host.loading
+
+    @property
+    def engine_error(self) -> str | None:
+        return self.host.error
+
+    @property
+    def load_failure(self) -> str | None:
+        return self.host.load_failure
+
+    @property
+    def endpoint(self) -> str | None:
+        return self.host.endpoint
 
     @property
     def model_name(self) -> str:
-        if self._engine is not None:
-            with suppress(Exception):  # a remote engine that lost its server: fall through
-                return str(self._engine.stats().model)
-        return self.model_request or ""
+        return self.host.model_name
 
     def base_params(self) -> dict[str, Any]:
-        defaults = self._engine.sampling_defaults if self._engine is not None else {}
+        defaults = self.host.engine.sampling_defaults if self.host.engine is not None else {}
         return base_params(defaults, self.config.params)
 
     def served_models(self) -> list[str]:
-        return list(self._engine.served_models) if self._engine is not None else []
+        return self.host.served_models()
 
     async def wait_for_engine(self) -> ChatEngine:
-        if self._engine is None and not self.loading:
-            if self.endpoint is not None:
-                raise LocalLLMError(self.engine_error or f"not connected to {self.endpoint}: ctrl+p, then Reconnect")
-            raise LocalLLMError(self.engine_error or "no model is loaded: ctrl+p, then Pull model or Switch model")
-        await self._engine_ready.wait()
-        if self._engine is None:
-            raise LocalLLMError(self.engine_error or "no model is loaded")
-        return self._engine
+        return await self.host.wait()
 
     def load_engine(self, model: str | None) -> None:
-        if self.engine_factory is None:
+        if self.host.factory is None:
             self.notify("This session runs a fixed engine; restart with --model to change it.", severity="warning")
             return
-        self.model_request = model
-        self.engine_error = None
-        self.loading = True
-        self.load_progress = ("starting", 0, 0)
-        if self._engine_ready.is_set():
-            self._engine_ready = asyncio.Event()
-        self._load_worker(model)
-
-    def _on_load_progress(self, stage: str, done: int, total: int) -> None:
-        # Called from the loading thread, often (once per tensor): store only; the status
-        # timer paints it.
-        self.load_progress = (stage, done, total)
-
-    def _load_worker(self, model: str | None) -> None:
-        """Builds the engine on a daemon thread of its own, not a Textual thread worker: the
-        app's exit waits for its workers' threads, and a load can take minutes (a first start
-        builds kernels), so ctrl+q did nothing until it ended. The process exits without
-        joining this thread. Only the latest load's engine is kept."""
-        self._load_id += 1
-        threading.Thread(target=self._load_in_thread, args=(model, self._load_id), name="localllm-load",
-                         daemon=True).start()
-
-    def _load_in_thread(self, model: str | None, load_id: int) -> None:
-        assert self.engine_factory is not None
-        try:
-            engine = self.engine_factory(model, self._on_load_progress)
-        except BaseException as e:  # noqa: BLE001 - shown in the app, which goes on without a model
-            if load_id == self._load_id:
-                self._from_thread(self._engine_failed, e)
-            return
-        if load_id != self._load_id or not self._from_thread(self._engine_loaded, engine) or self._engine is not engine:
-            engine.shutdown()  # a later load replaced this one, or the app quit while loading
+        self.host.load(model)
 
     def _from_thread(self, callback: Callable[..., Any], *args: Any) -> bool:
         try:
@@ -295,13 +254,6 @@ class ChatApp(App[None]):
         return True
 
     def _engine_loaded(self, engine: ChatEngine) -> None:
-        if self._closed:  # the app quit while it loaded: the loading thread shuts it down
-            return
-        self._engine = engine
-        self._owns_engine = True
-        self.loading = False
-        self.load_failure = None
-        self._engine_ready.set()
         self.notify(f"Connected to {self.endpoint}: {self.model_name}" if self.endpoint else f"Loaded {self.model_name}")
         note = engine.tokenizer.template_note if engine.tokenizer is not None else None
         if note:
@@ -309,17 +261,13 @@ class ChatApp(App[None]):
         self.refresh_status()
         self._after_load()
 
-    def _engine_failed(self, e: BaseException) -> None:
-        self.loading = False
-        what = "the connection failed" if self.endpoint else "the model failed to load"
-        self.engine_error = self.load_failure = f"{what}: {describe(e)}"
-        self._engine_ready.set()
-        self.notify(self.engine_error, severity="error", timeout=20)
+    def _engine_failed(self, error: str) -> None:
+        self.notify(error, severity="error", timeout=20)
         hint = (f" (is the server at {self.endpoint} running? ctrl+p: Reconnect)" if self.endpoint
                 else " (ctrl+p: Switch model or Pull model)")
         chat = self.active_chat
         if chat is not None:
-            self.call_later(chat.show_error, self.engine_error + hint)
+            self.call_later(chat.show_error, error + hint)
         self.refresh_status()
 
     def _after_load(self) -> None:
@@ -333,13 +281,13 @@ class ChatApp(App[None]):
             self.log.warning(f"probe failed: {e}")
 
     def action_reconnect(self) -> None:
-        if self.loading:
+        if self.host.loading:
             self.notify("Connecting already.")
             return
-        self.run_worker(self.switch_model(self.model_request), group="switch", exit_on_error=False)
+        self.run_worker(self.switch_model(self.host.model_request), group="switch", exit_on_error=False)
 
     def request_switch_model(self, name: str) -> None:
-        if name == self.model_name and self._engine is not None:
+        if name == self.model_name and self.host.engine is not None:
             self.notify(f"{name} is already loaded.")
             return
         busy = [c for c in self.chats() if c.generating]
@@ -355,18 +303,14 @@ class ChatApp(App[None]):
             self.call_later(go)
 
     async def switch_model(self, name: str | None) -> None:
-        if self.engine_factory is None:
+        if self.host.factory is None:
             self.notify("This session runs a fixed engine; restart with --model to change it.", severity="warning")
             return
-        if self.loading:
+        if self.host.loading:
             self.notify("A model is loading already.", severity="warning")
             return
         await self.stop_all()
-        old, self._engine = self._engine, None
-        self._engine_ready = asyncio.Event()
-        if old is not None and self._owns_engine:
-            await asyncio.to_thread(old.shutdown)
-        del old
+        await self.host.unload()
         self.load_engine(name)
 
     # ---- pulling ----
@@ -393,7 +337,7 @@ class ChatApp(App[None]):
             return
         self.notify(f"Pulled {state.name}; ctrl+p → Switch model to use it." if not then_load else f"Pulled {state.name}")
         if then_load:
-            self.load_engine(state.name if self.model_request is None else self.model_request)
+            self.load_engine(state.name if self.host.model_request is None else self.host.model_request)
         elif self.probe_enabled:
             self.run_worker(self.action_refresh_models(), group="probe", exclusive=True, exit_on_error=False)
 
@@ -404,7 +348,7 @@ class ChatApp(App[None]):
             if yes:
                 self.pull_model(DEFAULT_MODEL, "The first model: small, for trying localllm out.", then_load=True)
             else:
-                self.engine_error = "no model is pulled yet: ctrl+p, then Pull model"
+                self.host.set_error("no model is pulled yet: ctrl+p, then Pull model")
                 self.refresh_status()
 
         self.push_screen(ConfirmScreen(
@@ -738,68 +682,7 @@ class ChatApp(App[None]):
     # ---- status ----
 
     def status_text(self) -> Text:
-        text = Text()
-        if self._engine is None:
-            if self.loading:
-                stage, done, total = self.load_progress
-                pct = done / total if total else 0.0
-                filled = int(pct * 20)
-                text.append(f" loading {self.model_request or 'the default model'} ", style="bold")
-                text.append("█" * filled + "░" * (20 - filled), style="cyan")
-                text.append(f" {stage} {pct:.0%}" if total else f" {stage}…")
-            elif self.engine_error:
-                text.append(f" {self.engine_error}", style="bold red")
-            elif self.endpoint:
-                text.append(f" not connected to {self.endpoint}: ctrl+p, then Reconnect", style="yellow")
-            else:
-                text.append(" no model: ctrl+p, then Pull model", style="yellow")
-            return text
-        try:
-            s = self._engine.stats()
-        except Exception as e:  # noqa: BLE001
-            text.append(f" engine stats unavailable: {e}", style="red")
-            return text
-        chat = self.active_chat
-        remote = self.endpoint is not None
-        sep = (" │ ", "dim")
-        text.append(f" {_short_model(s.model)}", style="bold")
-        if remote:
-            text.append(f"  {self.endpoint}")
-        else:
-            text.append(f"  {precision_label(s.precision, None)}/{s.device}")
-        text.append(*sep)
-        text.append(f"{chat.last_tok_s if chat is not None else 0.0:.1f} tok/s")
-        text.append(*sep)
-        batch = s.batch_size if s.num_running else 0
-        # A server does not say how it batches: what this client knows is its own streams.
-        text.append(f"{'streams' if remote else 'batch'} {batch}", style="bold green" if batch > 1 else "")
-        if s.num_waiting:
-            text.append(f" +{s.num_waiting} waiting", style="yellow")
-        # The tab's context before the engine's KV: at 80 columns the line is cut from the right.
-        if chat is not None:
-            (used, guess), limit = chat.context(), chat.context_limit()
-            shown = f"ctx {'~' if guess else ''}{used:,}"  # "~": a server that reported no usage
-            text.append(*sep)
-            if limit:
-                fill = used / limit
-                style = "bold red" if fill >= FILL_FULL else "yellow" if fill >= FILL_WARN else ""
-                text.append(f"{shown}/{limit:,}", style=style)
-            else:
-                text.append(shown)
-        if not remote:
-            text.append(*sep)
-            text.append(f"KV {s.kv_usage:.1%}")
-        cached = chat.last_cached_tokens if chat is not None else 0
-        if not remote or cached:  # a server that reports no cache hits would read as "0 hits"
-            text.append(*sep)
-            text.append(f"prefix hit {cached}")
-        if not remote:  # this process's memory says nothing about a server's
-            text.append(*sep)
-            text.append(memory_label(s.device))
-        if s.compiling:  # before the figures that matter less: the line is cut from the right
-            text.append(*sep)
-            text.append("optimizing for this CPU…", style="yellow")
-        return text
+        return status_text(self.host, self.active_chat)
 
     def refresh_status(self) -> None:
         try:
@@ -808,17 +691,12 @@ class ChatApp(App[None]):
             return
         self._paint_tab_labels()
         compiling = False
-        if self._engine is not None:
+        if self.host.engine is not None:
             with suppress(Exception):
-                compiling = self._engine.stats().compiling
+                compiling = self.host.engine.stats().compiling
         if self._compiling and not compiling:
             self.notify("Optimized for this CPU: replies now come faster")
         self._compiling = compiling
-
-
-def _short_model(name: str) -> str:
-    """A model given as a path shows as its file or folder name: the status bar is one line."""
-    return Path(name).name if name.startswith(("/", "~", ".")) else name
 
 
 def _any_local_model() -> bool:

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from localllm.engine.async_engine import AsyncEngine
     from localllm.engine.engine import EngineStats, Prompt, RequestOutput
     from localllm.engine.sequence import SamplingParams
+    from localllm.reasoning import ReasoningFormat
     from localllm.tokenizer import Message, Tokenizer
 
 # (stage, done, total) from a loading or pulling thread; total == 0 means "size unknown".
@@ -61,6 +62,11 @@ class ChatEngine(Protocol):
     def served_models(self) -> list[str]:
         """Models a switch can reach without a pull: a server's list; empty for the local engine."""
 
+    @property
+    def reasoning(self) -> ReasoningFormat | None:
+        """How the model's replies mark their reasoning, which the chat shows apart from the
+        answer; None when they hold none to split (or a server splits it off itself)."""
+
     def generate(self, prompt: Prompt, params: SamplingParams | None = None,
                  request_id: str | None = None) -> AsyncIterator[RequestOutput]: ...
 
@@ -78,10 +84,16 @@ EngineFactory = Callable[[str | None, Progress | None], ChatEngine]
 class LocalChatEngine:
     """The in-process ``AsyncEngine`` as a ``ChatEngine``."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, reasoning_parser: str | None = None) -> None:
+        """``reasoning_parser``: ``--reasoning-parser`` (vLLM's names, ``none``); by default the
+        model's chat template and architecture decide."""
+        from localllm.reasoning import format_for
+
         self._engine: AsyncEngine | None = engine
         llm = engine.engine
         self.tokenizer: Tokenizer | None = llm.tokenizer
+        self.reasoning: ReasoningFormat | None = format_for(llm.tokenizer, llm.runner.model.config.architecture,
+                                                             reasoning_parser)
         self.max_model_len: int | None = llm.context_limit  # the limit add_request enforces
         # what the model asks for (generation_config.json, or models.toml for a GGUF file)
         self.sampling_defaults: dict[str, float | int] = dict(llm.sampling_defaults)

@@ -8,7 +8,8 @@ timer writes the reply so far to the history (``SAVE_S``): a crash loses at most
 
 The pane knows the app only as a ``ChatHost`` and tells it about itself through messages
 (``Changed``, ``NewChatRequested``, ``MessageView.CopyRequested``); it never imports the app.
-The pane is the only writer of its conversation's rows in the history.
+The pane is the only writer of its conversation's rows in the history. What it holds is in
+``conversation`` (turns, the streamed reply), what that costs in context in ``context_count``.
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ import asyncio
 import traceback
 import uuid
 from contextlib import aclosing, suppress
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from textual import work
 from textual.binding import Binding, BindingType
@@ -29,127 +29,22 @@ from textual.widget import Widget
 from textual.widgets import Static
 from textual.worker import Worker, WorkerCancelled, WorkerFailed, WorkerState
 
-from localllm.errors import LocalLLMError
-from localllm.history import Conversation, History, StoredMessage
-from localllm.tui.backend import (
-    chat_tokens,
-    code_blocks,
-    continuation_prompt,
-    estimate_tokens,
-    sampling_params,
-    title_from,
-)
+from localllm.history import Conversation
+from localllm.tui.backend import code_blocks, continuation_prompt, sampling_params, title_from
+from localllm.tui.context_count import ContextCount, reply_reserve
+from localllm.tui.conversation import CONTINUABLE, ChatHost, Reply, Turn, describe
 from localllm.tui.screens import ContextFullScreen
 from localllm.tui.widgets import MessageList, MessageView, PromptArea
 
 if TYPE_CHECKING:
-    from localllm.engine.engine import RequestOutput
-    from localllm.tokenizer import Message as ChatMessage, Tokenizer
-    from localllm.tui.backend import ChatEngine
+    from localllm.tokenizer import Message as ChatMessage
 
 FRAME_S = 1 / 20  # at most one Markdown append per tab per 50 ms: each one costs a layout pass of the screen
 SAVE_S = 1.0  # a streaming reply reaches the history at most this far behind
 WARN_FILL = 0.8  # share of the context at which the chat says it is filling up
-CONTINUABLE = ("abort", "interrupted", "length")
 
 
-class ChatHost(Protocol):
-    """What a tab needs from the app that holds the engine and the history."""
-
-    @property
-    def history(self) -> History: ...
-
-    @property
-    def engine(self) -> ChatEngine | None: ...
-
-    @property
-    def engine_loading(self) -> bool: ...
-
-    @property
-    def model_name(self) -> str: ...
-
-    def base_params(self) -> dict[str, Any]:
-        """Sampling settings a tab runs with before its own: DEFAULT_PARAMS, the model's, the config's."""
-
-    async def wait_for_engine(self) -> ChatEngine:
-        """The engine once loaded; raises LocalLLMError (for the user) if there is none."""
-
-
-@dataclass(slots=True)
-class Turn:
-    """A message as the pane holds it; ``message_id`` is its history row once written."""
-
-    role: str
-    content: str
-    message_id: int | None = None
-    finish_reason: str | None = None
-    meta: dict[str, Any] = field(default_factory=dict)
-    parent_id: int | None = None
-    branch: tuple[int, int] = (0, 1)  # (index, count) among the alternatives at this point
-
-    @classmethod
-    def stored(cls, m: StoredMessage) -> Turn:
-        return cls(m.role, m.content, m.id, m.finish_reason, m.meta, m.parent_id, (m.sibling_index, m.num_siblings))
-
-
-@dataclass(slots=True)
-class Reply:
-    """The reply being streamed: text so far, text not yet painted, and its figures.
-    ``prefix`` is the text an interrupted reply had before it was continued."""
-
-    view: MessageView
-    turn: Turn
-    request_id: str
-    prefix: str = ""
-    prefix_tokens: int = 0
-    text: str = ""
-    saved: str = ""  # what the history holds
-    pending: list[str] = field(default_factory=list)
-    finish_reason: str | None = None
-    num_tokens: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    tok_s: float = 0.0
-    first_token_time: float | None = None
-    settled: bool = False  # committed to history; Esc during the final render must not commit twice
-
-    def add(self, out: RequestOutput) -> None:
-        completion = out.outputs[0]
-        if completion.delta_text:
-            self.pending.append(completion.delta_text)
-        self.text = self.prefix + completion.text
-        self.num_tokens = self.prefix_tokens + len(completion.token_ids)
-        self.prompt_tokens = len(out.prompt_token_ids)
-        self.cached_tokens = out.num_cached_tokens
-        m = out.metrics
-        first, last = m.first_token_time, m.last_token_time
-        n = len(completion.token_ids)
-        if first is not None and last is not None and last > first and n > 1:
-            self.tok_s = (n - 1) / (last - first)
-        if out.finished:
-            self.finish_reason = completion.finish_reason or "stop"
-
-    def meta(self, sent_after: int | None, limit: int | None) -> dict[str, Any]:
-        meta: dict[str, Any] = {"tok_s": round(self.tok_s, 2), "cached_tokens": self.cached_tokens,
-                                "tokens": self.num_tokens}
-        if self.prompt_tokens:
-            # The exact context at the end of this reply, valid while the chat drops the
-            # same turns.
-            meta["prompt_tokens"] = self.prompt_tokens - self.prefix_tokens
-            meta["sent_after"] = sent_after
-        else:  # a server that sent no usage: its stream was counted in chunks
-            meta["estimated"] = True
-        if self.finish_reason == "length" and limit and self.prompt_tokens + self.num_tokens - self.prefix_tokens >= limit:
-            meta["context_limit"] = True
-        return meta
-
-
-def describe(e: BaseException) -> str:
-    # LocalLLMError messages are written for users; anything else needs its type to make sense.
-    return str(e) if isinstance(e, LocalLLMError) else f"{type(e).__name__}: {e}"
-
-
-class ChatPane(Vertical):
+class ChatPane(ContextCount, Vertical):
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("escape", "stop", "Stop", id="chat.stop"),
         Binding("ctrl+r", "regenerate", "Retry", id="chat.regenerate"),
@@ -201,8 +96,6 @@ class ChatPane(Vertical):
         self.last_tok_s = float(last.meta.get("tok_s", 0.0)) if last else 0.0
         self.last_cached_tokens = int(last.meta.get("cached_tokens", 0)) if last else 0
         self._warned_full = False
-        self._estimates: dict[str, int] = {}  # message text -> budget guess, for summaries
-        self._rendered: tuple[tuple[tuple[str, str], ...], int | None] | None = None  # last chat_tokens call
         self._worker: Worker[None] | None = None
         self._flush_timer: Timer | None = None
         self._save_timer: Timer | None = None
@@ -211,15 +104,10 @@ class ChatPane(Vertical):
         """The index of that message on the branch shown; -1 if it is on another branch."""
         return next((i for i, t in enumerate(self.turns) if t.message_id == message_id), -1)
 
-    @property
-    def dropped_until(self) -> int | None:
-        """The history id of the last turn not sent; None when all are."""
-        return self.turns[self.context_start - 1].message_id if self.context_start else None
-
     @staticmethod
     def _view(t: Turn) -> MessageView:
         return MessageView(t.role, t.content, finish_reason=t.finish_reason, meta=t.meta, message_id=t.message_id,
-                           branch=t.branch)
+                           branch=t.branch, reasoning=t.reasoning)
 
     def compose(self) -> Any:
         with MessageList(classes="messages"):
@@ -272,124 +160,16 @@ class ChatPane(Vertical):
                     and self.turns[-1].finish_reason in CONTINUABLE)
         return True
 
-    # ---- the context window ----
-    #
-    # A message's "tokens" is what it adds to the prompt, its template framing included: a
-    # reply's are its output ids; a user message's are the prompt minus all before it, from
-    # the tokenizer at send when the engine is local, and from the engine's (or a server's
-    # usage) prompt count when its reply ends. So the gauge is the sum of the counts shown.
-    # meta "estimated" marks a guess (a server that sent no usage); "with_system" a first
-    # message whose count holds the system prompt (a server counts them as one prompt).
-
-    def _tokenizer(self) -> Tokenizer | None:
-        engine = self.host.engine
-        return engine.tokenizer if engine is not None else None
-
-    def context_used(self) -> int:
-        return self.context()[0]
-
-    def context(self, upto: int | None = None) -> tuple[int, bool]:
-        """(tokens, estimated) of what the model is sent before turns[upto] (all turns: the
-        next prompt). Exact from the engine's count at the last reply still valid, plus the
-        counts of what came after it; without such a reply, from the tokenizer when the engine
-        is local. Cheap enough for the status bar's repaints: the tokenizer runs only when the
-        chat changed."""
-        upto = len(self.turns) if upto is None else upto
-        start = self.context_start
-        for i in range(upto - 1, self.context_start - 1, -1):
-            figures = self._reply_figures(self.turns[i])
-            if figures is not None:
-                used, estimated = figures
-                start = i + 1
-                break
-        else:
-            tokenizer = self._tokenizer()
-            streaming = self.reply is not None and any(t is self.reply.turn for t in self.turns[start:upto])
-            if tokenizer is not None and not streaming:
-                exact = self._render_count(tokenizer, upto)
-                if exact is not None:
-                    return exact, False
-            used, estimated = self._system_tokens(start, upto)
-        for t in self.turns[start:upto]:
-            n, guess = self._tokens(t)
-            used += n
-            estimated = estimated or guess
-        return used, estimated
-
-    def _reply_figures(self, t: Turn) -> tuple[int, bool] | None:
-        """The context at the end of reply ``t`` as the engine counted it; None if unknown or
-        no longer valid (the chat dropped other turns since)."""
-        if t.role != "assistant":
-            return None
-        reply = self.reply
-        if reply is not None and t is reply.turn:
-            if not reply.prompt_tokens:  # not yet known (or a server: only at the end)
-                return None
-            return reply.prompt_tokens - reply.prefix_tokens + reply.num_tokens, False
-        meta = t.meta
-        if "prompt_tokens" in meta and meta.get("sent_after") == self.dropped_until:
-            return int(meta["prompt_tokens"]) + int(meta.get("tokens", 0)), bool(meta.get("estimated"))
-        return None
-
-    def _render_count(self, tokenizer: Tokenizer, upto: int) -> int | None:
-        """The exact tokens of the chat before turns[upto]: with the generation prompt when a
-        user message ends it (then it is the prompt the engine would get)."""
-        msgs = self.prompt_messages(upto)
-        key = tuple((m["role"], m["content"]) for m in msgs)  # str hashes are cached: cheap
-        if self._rendered is None or self._rendered[0] != key:
-            gen = bool(msgs) and msgs[-1]["role"] == "user"
-            self._rendered = key, chat_tokens(tokenizer, msgs, gen)
-        return self._rendered[1]
-
-    def _system_tokens(self, start: int, upto: int) -> tuple[int, bool]:
-        if not self.system_prompt.strip():
-            return 0, False
-        if start < upto and self.turns[start].meta.get("with_system"):
-            return 0, False
-        tokenizer = self._tokenizer()
-        if tokenizer is not None:
-            n = chat_tokens(tokenizer, [{"role": "system", "content": self.system_prompt}], False)
-            if n is not None:
-                return n, False
-        return estimate_tokens(self.system_prompt), True
-
-    def _tokens(self, t: Turn) -> tuple[int, bool]:
-        if self.reply is not None and t is self.reply.turn:
-            # a server's stream is counted in chunks until its usage arrives
-            return self.reply.num_tokens, self._tokenizer() is None
-        if "tokens" in t.meta:
-            return int(t.meta["tokens"]), bool(t.meta.get("estimated"))
-        return estimate_tokens(t.content), True
-
-    def _new_message_tokens(self, text: str, upto: int | None = None) -> tuple[int, bool]:
-        """What ``text`` adds to the prompt as the user message after turns[:upto]."""
-        tokenizer = self._tokenizer()
-        if tokenizer is not None:
-            total = chat_tokens(tokenizer, [*self.prompt_messages(upto), {"role": "user", "content": text}], True)
-            if total is not None:
-                before, guess = self.context(upto)
-                return max(1, total - before), guess
-        return estimate_tokens(text), True
+    # ---- the context window: counted in ContextCount ----
 
     def _count_prompt(self, reply: Reply) -> None:
-        """Makes the count of the user message a reply answers exact, from the prompt's count
-        the engine (or a server's usage) gave: the prompt minus all before the message."""
-        index = next((i for i, t in enumerate(self.turns) if t is reply.turn), -1) - 1
-        if reply.prefix or not reply.prompt_tokens or index < self.context_start or self.turns[index].role != "user":
+        """Makes the count of the user message a reply answers exact (see ``_counted_prompt``),
+        on screen and in the history."""
+        counted = self._counted_prompt(reply)
+        if counted is None:
             return
-        if index == self.context_start and self._tokenizer() is None:
-            before, guess, with_system = 0, False, bool(self.system_prompt.strip())
-        else:
-            (before, guess), with_system = self.context(index), False
+        index, meta = counted
         user = self.turns[index]
-        meta = {k: v for k, v in user.meta.items() if k not in ("estimated", "with_system")}
-        meta["tokens"] = max(1, reply.prompt_tokens - before)
-        if guess:
-            meta["estimated"] = True
-        if with_system:
-            meta["with_system"] = True
-        if meta == user.meta:
-            return
         user.meta = meta
         view = self.views[index]
         view.meta = dict(meta)
@@ -401,45 +181,12 @@ class ChatPane(Vertical):
                 self.log.warning(f"could not save the message's token count: {e}")
 
     def _show_system_tokens(self) -> None:
-        """The system prompt's own count, where the engine is local (a server counts it with
-        the first message)."""
-        tokenizer = self._tokenizer()
-        n = (chat_tokens(tokenizer, [{"role": "system", "content": self.system_prompt}], False)
-             if tokenizer is not None and self.system_prompt.strip() else None)
+        """The system prompt's own count on its header, where the engine is local."""
+        n = self.system_prompt_tokens()
         view = self.messages.query(MessageView).filter(".system").first()
         if view.meta.get("tokens") != n:
             view.meta = {"tokens": n} if n else {}
             view.refresh_header()
-
-    def _estimate(self, text: str) -> int:
-        """A budget for summaries: the tokens of ``text`` plus a message's framing."""
-        cached = self._estimates.get(text)
-        if cached is None:
-            tokenizer = self._tokenizer()
-            cached = self._estimates[text] = (len(tokenizer.encode(text, add_special_tokens=False)) + 8
-                                              if tokenizer is not None else estimate_tokens(text))
-        return cached
-
-    def context_limit(self) -> int | None:
-        engine = self.host.engine
-        return engine.max_model_len if engine is not None else None
-
-    def _reserve(self, limit: int) -> int:
-        """Room a reply needs at the least: its max_tokens, capped at an eighth of the context."""
-        max_tokens = self.effective_params().get("max_tokens") or limit
-        return max(1, min(int(max_tokens), max(16, limit // 8)))
-
-    def _keep_from(self, budget: int) -> int:
-        """The first turn of the newest turns that fit in ``budget`` tokens, starting at a user
-        message; len(turns) when not even the last one fits."""
-        total, start = 0, len(self.turns)
-        for i in range(len(self.turns) - 1, self.context_start - 1, -1):
-            total += self._tokens(self.turns[i])[0]
-            if total > budget:
-                break
-            if self.turns[i].role == "user":
-                start = i
-        return start
 
     # ---- sending ----
 
@@ -454,13 +201,14 @@ class ChatPane(Vertical):
         if limit is not None:
             upto = self.editing  # an edit replaces the turns from there on
             own, guess = self._new_message_tokens(text, upto)
-            if own + self._reserve(limit) > limit:  # no room would help: the message alone is too long
+            reserve = reply_reserve(limit, self.effective_params().get("max_tokens"))
+            if own + reserve > limit:  # no room would help: the message alone is too long
                 event.prompt.restore(event.text)
                 await self.show_error(f"this message is {'about ' if guess else ''}{own:,} tokens, and with room "
                                       f"for a reply that is over the context limit of {limit:,}: shorten it")
                 return
             need = self.context(upto)[0] + own
-            if need + self._reserve(limit) > limit:
+            if need + reserve > limit:
                 event.prompt.restore(event.text)  # kept until the user chooses
                 self.ask_for_room(text, need, limit)
                 return
@@ -516,13 +264,6 @@ class ChatPane(Vertical):
         self.views.append(view)
         return turn
 
-    def prompt_messages(self, upto: int | None = None) -> list[ChatMessage]:
-        """What the model is sent: the system prompt, then the turns in context before ``upto``."""
-        msgs: list[ChatMessage] = [{"role": "system", "content": self.system_prompt}] if self.system_prompt.strip() else []
-        msgs += [{"role": t.role, "content": t.content} for t in self.turns[self.context_start:upto]
-                 if t.role in ("user", "assistant")]
-        return msgs
-
     def _start(self, continue_index: int | None = None) -> None:
         self._worker = self._generate(continue_index)
 
@@ -541,7 +282,8 @@ class ChatPane(Vertical):
             turn, view = self.turns[continue_index], self.views[continue_index]
             prompt_msgs = self.prompt_messages(continue_index)
             reply = Reply(view, turn, self._request_id(), prefix=turn.content, text=turn.content,
-                          saved=turn.content, prefix_tokens=int(turn.meta.get("tokens", 0)))
+                          saved=turn.content, prefix_tokens=int(turn.meta.get("tokens", 0)), reasoning=turn.reasoning,
+                          saved_reasoning=turn.reasoning)
             turn.finish_reason = view.finish_reason = None
         self.reply = reply
         self._changed()
@@ -555,6 +297,10 @@ class ChatPane(Vertical):
                 # what continuation_prompt appends, so the prompt's count minus it is exact
                 reply.prefix_tokens = len(engine.tokenizer.encode(reply.prefix, add_special_tokens=False))
             params = sampling_params(self.effective_params())
+            # a thinking model's reply is split as it streams; harmony's markers are special tokens
+            reply.thinking, reply.tokenizer = engine.reasoning, engine.tokenizer
+            if engine.reasoning is not None and not engine.reasoning.skip_special_tokens:
+                params.skip_special_tokens = False
             prompt = (prompt_msgs if continue_index is None
                       else continuation_prompt(engine.tokenizer, prompt_msgs, reply.prefix))
             self._flush_timer = self.set_interval(FRAME_S, self._flush)
@@ -583,8 +329,13 @@ class ChatPane(Vertical):
 
     async def _flush(self) -> None:
         reply = self.reply
-        if reply is None or not reply.pending or not self.shown:
+        if reply is None or not (reply.pending or reply.reasoning_changed) or not self.shown:
             return  # a hidden tab keeps buffering; it paints when shown
+        if reply.reasoning_changed:
+            reply.reasoning_changed = False
+            await reply.view.set_reasoning(reply.reasoning)
+        if not reply.pending:
+            return
         chunk = "".join(reply.pending)
         reply.pending.clear()
         await reply.view.write(chunk)
@@ -594,12 +345,13 @@ class ChatPane(Vertical):
     def _save_partial(self) -> None:
         """One UPDATE of the growing reply, about once a second, whatever the token rate."""
         reply = self.reply
-        if reply is None or reply.settled or reply.turn.message_id is None or reply.text == reply.saved:
+        if reply is None or reply.settled or reply.turn.message_id is None or (
+                reply.text == reply.saved and reply.reasoning == reply.saved_reasoning):
             return
         try:
             self.host.history.update_message(reply.turn.message_id, content=reply.text,
-                                             meta={"tokens": reply.num_tokens})
-            reply.saved = reply.text
+                                             meta={"tokens": reply.num_tokens}, reasoning=reply.reasoning)
+            reply.saved, reply.saved_reasoning = reply.text, reply.reasoning
         except Exception as e:  # noqa: BLE001 - the reply goes on; the final write retries
             self.log.warning(f"could not save the partial reply: {e}")
 
@@ -618,13 +370,15 @@ class ChatPane(Vertical):
         self.last_cached_tokens = reply.cached_tokens
         self._count_prompt(reply)
         turn = reply.turn
-        if reply.text or finish_reason not in ("abort", "error"):
-            turn.content, turn.finish_reason = reply.text, finish_reason
+        if reply.text or reply.reasoning or finish_reason not in ("abort", "error"):
+            turn.content, turn.finish_reason, turn.reasoning = reply.text, finish_reason, reply.reasoning
             turn.meta.update(reply.meta(self.dropped_until, self.context_limit()))
+            reply.view.reasoning = reply.reasoning  # the final render shows all of it
             if turn.message_id is not None:
                 try:
                     self.host.history.update_message(turn.message_id, content=turn.content,
-                                                     finish_reason=finish_reason, meta=turn.meta)
+                                                     finish_reason=finish_reason, meta=turn.meta,
+                                                     reasoning=turn.reasoning)
                 except Exception as e:  # noqa: BLE001
                     self.notify(f"History not saved: {e}", severity="error")
         else:  # nothing came: no empty reply is kept
@@ -642,7 +396,7 @@ class ChatPane(Vertical):
         await self._final_render(reply, finish_reason)
 
     async def _final_render(self, reply: Reply, finish_reason: str) -> None:
-        if not reply.text and finish_reason in ("abort", "error"):
+        if not reply.text and not reply.reasoning and finish_reason in ("abort", "error"):
             await reply.view.remove()
             return
         await reply.view.finish(reply.text, finish_reason, reply.turn.meta)
@@ -848,24 +602,6 @@ class ChatPane(Vertical):
     def _divider() -> Static:
         return Static("⋯ the messages above stay here but are no longer sent to the model ⋯",
                       classes="context-divider")
-
-    def _transcript(self, keep: int, budget: int) -> str:
-        """The newest turns from ``keep`` on as "User: …" lines, within ``budget`` tokens; a
-        turn too long for what is left keeps its end."""
-        parts: list[str] = []
-        left = budget
-        for t in reversed(self.turns[keep:] or self.turns[-2:]):
-            if t.role not in ("user", "assistant"):
-                continue
-            line = f"{'User' if t.role == 'user' else 'Assistant'}: {t.content}"
-            cost = self._estimate(line)
-            if cost > left:
-                if left > 16:  # a tail worth having; 3 characters a token is the generous guess
-                    parts.append("…" + line[-left * 3:])
-                break
-            parts.append(line)
-            left -= cost
-        return "\n\n".join(reversed(parts))
 
     @work(exclusive=True, group="generate", exit_on_error=False)
     async def _summarize(self, keep: int, text: str) -> None:

@@ -8,6 +8,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from localllm.cli_common import add_engine_args, add_model_arg, engine_config_from_args
+from localllm.reasoning import AUTO, NONE, PARSER_NAMES
 
 if TYPE_CHECKING:
     from localllm.tui.backend import ChatEngine, EngineFactory, Progress
@@ -23,6 +24,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--chats", type=int, default=4, help="chats to plan the KV cache for (default 4)")
     p.add_argument("--endpoint", default=None, help="an OpenAI-compatible server URL instead of the local engine")
     p.add_argument("--api-key", default=None, help="bearer token for --endpoint")
+    p.add_argument("--reasoning-parser", default=None, choices=(AUTO, *PARSER_NAMES, NONE),
+                   help="how replies mark their reasoning, shown folded apart from the answer (vLLM's names; "
+                        "default: from the model's chat template)")
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -51,7 +55,8 @@ def _local_factory(args: argparse.Namespace) -> EngineFactory:
         from localllm.tui.backend import LocalChatEngine
 
         config = engine_config_from_args(args, model=model, chats=max(1, args.chats))
-        return LocalChatEngine(AsyncEngine(lambda: LLMEngine(config, progress=progress)))  # built on its thread
+        return LocalChatEngine(AsyncEngine(lambda: LLMEngine(config, progress=progress)),  # built on its thread
+                               reasoning_parser=args.reasoning_parser)
 
     return build
 

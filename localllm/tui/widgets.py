@@ -13,7 +13,7 @@ from textual.binding import Binding, BindingType
 from textual.containers import Vertical, VerticalScroll
 from textual.message import Message
 from textual.widget import Widget
-from textual.widgets import Footer, Label, Markdown, Static, TextArea
+from textual.widgets import Collapsible, Footer, Label, Markdown, Static, TextArea
 from textual.widgets.markdown import MarkdownBlock, MarkdownFence, MarkdownStream
 
 BRANCHES = Binding.Group("Branch", compact=True)
@@ -188,6 +188,27 @@ FINISH_LABELS = {
 ROLE_NAMES = {"user": "You", "assistant": "Assistant", "error": "Error", "note": "Note", "system": "System prompt"}
 
 
+class ThinkingBlock(Collapsible):
+    """A reply's reasoning, folded above the answer: shown on request, never part of the
+    answer (copying the reply copies the answer alone). Plain text, updated whole: while
+    folded it costs no layout, and a thought is read once, not rendered as Markdown."""
+
+    def __init__(self, reasoning: str, streaming: bool = False) -> None:
+        super().__init__(Static(Text(reasoning), classes="thinking-body"), title=self._heading(reasoning, streaming),
+                         collapsed=True, classes="thinking")
+        self.reasoning = reasoning
+
+    @staticmethod
+    def _heading(reasoning: str, streaming: bool) -> str:
+        words = len(reasoning.split())
+        return f"Thinking… ({words:,} words)" if streaming else f"Thought for {words:,} words"
+
+    def set_reasoning(self, reasoning: str, streaming: bool) -> None:
+        self.reasoning = reasoning
+        self.title = self._heading(reasoning, streaming)
+        self.query_one(".thinking-body", Static).update(Text(reasoning))
+
+
 class MessageView(Vertical):
     """One message. Assistant replies and notes are Markdown (streamed, then rendered once in
     full); user messages are plain text, so their asterisks and underscores stay as typed.
@@ -228,11 +249,12 @@ class MessageView(Vertical):
 
     def __init__(
         self, role: str, content: str, *, finish_reason: str | None = None, meta: dict[str, Any] | None = None,
-        message_id: int | None = None, branch: tuple[int, int] = (0, 1),
+        message_id: int | None = None, branch: tuple[int, int] = (0, 1), reasoning: str = "",
     ) -> None:
         super().__init__(classes=f"message {role}")
         self.role = role
         self.content = content
+        self.reasoning = reasoning  # a reply's thinking, shown folded in a ThinkingBlock
         self.finish_reason = finish_reason
         self.meta = dict(meta or {})
         self.message_id = message_id
@@ -243,6 +265,8 @@ class MessageView(Vertical):
 
     def compose(self) -> Any:
         yield Label(self._header(), classes="header")
+        if self.role == "assistant" and self.reasoning:
+            yield ThinkingBlock(self.reasoning)
         if self.role in ("assistant", "note"):
             yield ChatMarkdown(self.content, classes="body")
         elif self.role == "system":
@@ -309,6 +333,15 @@ class MessageView(Vertical):
             self._stream = Markdown.get_stream(self.markdown)
         await self._stream.write(chunk)
 
+    async def set_reasoning(self, reasoning: str) -> None:
+        """Shows the reply's reasoning so far (folded); the block appears with the first of it."""
+        self.reasoning = reasoning
+        blocks = self.query(ThinkingBlock)
+        if blocks:
+            blocks.first().set_reasoning(reasoning, self.streaming)
+        elif reasoning:
+            await self.mount(ThinkingBlock(reasoning, self.streaming), before=self.query_one(".body"))
+
     def refresh_header(self) -> None:
         if self.is_mounted:
             self.query_one(".header", Label).update(self._header())
@@ -330,6 +363,8 @@ class MessageView(Vertical):
             await stream.stop()
         if self.role in ("assistant", "note"):
             await self.markdown.update(content)
+        for block in self.query(ThinkingBlock):  # "Thinking…" becomes "Thought"
+            block.set_reasoning(self.reasoning, streaming=False)
         self.refresh_header()
 
     async def set_content(self, content: str) -> None:

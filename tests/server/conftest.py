@@ -13,7 +13,8 @@ import pytest
 
 from localllm.engine.async_engine import AsyncEngine
 from localllm.engine.engine import EngineConfig, LLMEngine
-from localllm.server.app import RunningServer, create_app, start_server_thread
+from localllm.server.app import create_app
+from localllm.server.serving import RunningServer, start_server_thread
 
 API_KEY = "test-key-123"
 MAX_MODEL_LEN = 1024

@@ -17,7 +17,8 @@ import pytest
 
 from localllm.errors import LocalLLMError
 from localllm.server.allow_lists import AllowLists, allow_lists, origin_key, split_host
-from localllm.server.app import create_app, start_server_thread
+from localllm.server.app import create_app
+from localllm.server.serving import start_server_thread
 from tests.server.conftest import API_KEY, Served
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

@@ -22,7 +22,8 @@ from localllm.cli import main
 from localllm.engine.async_engine import AsyncEngine
 from localllm.engine.engine import EngineConfig, LLMEngine
 from localllm.engine.sequence import SamplingParams
-from localllm.server.app import create_app, start_server_thread
+from localllm.server.app import create_app
+from localllm.server.serving import start_server_thread
 from localllm.server.remote import RemoteEngine
 from tests.server.conftest import MAX_MODEL_LEN, Served
 

@@ -21,7 +21,8 @@ from pydantic import BaseModel
 from localllm.engine.async_engine import AsyncEngine
 from localllm.engine.engine import EngineConfig, LLMEngine
 from localllm.engine.guided import GrammarCompiler
-from localllm.server.app import create_app, start_server_thread
+from localllm.server.app import create_app
+from localllm.server.serving import start_server_thread
 from tests.server.conftest import Served
 
 # nested object, enum, array; strings and arrays are bounded, so a reply always closes

@@ -19,7 +19,8 @@ import pytest
 
 from localllm.engine.async_engine import AsyncEngine
 from localllm.engine.engine import EngineConfig, LLMEngine
-from localllm.server.app import create_app, start_server_thread
+from localllm.server.app import create_app
+from localllm.server.serving import start_server_thread
 from localllm.server.tools import HERMES, LLAMA3_JSON, ToolCallParser, call_grammar, tool_format
 from tests.models.test_random_models import VOCAB, write_random_model
 from tests.server.conftest import Served
@@ -43,7 +44,7 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 @pytest.fixture(scope="module")
 def qwen(default_checkpoint, tmp_path_factory) -> Iterator[Served]:
-    from localllm.models.loader import save_hf_folder
+    from localllm.models.export import save_hf_folder
 
     tok = tmp_path_factory.mktemp("tok")
     default_checkpoint.tokenizer.backend.save(str(tok / "tokenizer.json"))

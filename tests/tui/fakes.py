@@ -47,6 +47,7 @@ class FakeEngine:
     usage."""
 
     tokenizer = None
+    reasoning = None  # replies are answers only
 
     def __init__(self, reply: str = "Hello there.", delay: float = 0.0, fail: str | None = None,
                  max_model_len: int | None = 4096, sampling_defaults: dict[str, float | int] | None = None,

@@ -224,7 +224,8 @@ async def test_a_model_switch_frees_the_old_model(default_model_path):
 
 @pytest.fixture(scope="module")
 def server(engine):
-    from localllm.server.app import create_app, start_server_thread
+    from localllm.server.app import create_app
+    from localllm.server.serving import start_server_thread
 
     running = start_server_thread(create_app(engine.engine, model_name="served-smollm"))
     yield running

@@ -30,7 +30,7 @@ squares = [n * n for n in range(10)]
 
 @pytest.fixture(autouse=True)
 def fixed_figures(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("localllm.tui.app.memory_label", lambda device: "RAM 512.0 MiB")
+    monkeypatch.setattr("localllm.tui.status_line.memory_label", lambda device: "RAM 512.0 MiB")
     monkeypatch.setattr("localllm.tui.screens._when", lambda ts: "2026-11-29 12:00")
 
 

@@ -19,14 +19,14 @@ import sys
 from pathlib import Path
 
 from localllm.errors import LocalLLMError
-from localllm.models.loader import _read_gguf
+from localllm.models.gguf_file import read_gguf
 from localllm.tokenizer import Tokenizer
 
 SEPARATOR = "\n__ggml_vocab_test__\n"
 
 
 def check(path: Path) -> bool:
-    fields, _ = _read_gguf(path)
+    fields, _ = read_gguf(path)
     kind = f"{fields.get('tokenizer.ggml.model')}/{fields.get('tokenizer.ggml.pre')}"
     inp, out = path.with_suffix(".gguf.inp"), path.with_suffix(".gguf.out")
     try:

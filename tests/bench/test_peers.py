@@ -1,6 +1,7 @@
-"""bench/peers.py without running a benchmark: TTFT at the first chunk with content, read by
-the official openai client from SSE streams recorded from both servers; medians, ratios and
-targets; llama-bench's JSON; finding llama.cpp and the skip and error lines. Never timing."""
+"""bench/peers (the package bench/peers.py runs) without running a benchmark: TTFT at the first
+chunk with content, read by the official openai client from SSE streams recorded from both
+servers; medians, ratios and targets; llama-bench's JSON; finding llama.cpp and the skip and
+error lines. Never timing."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import os
 import signal
 import stat
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -20,16 +22,21 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _load_peers() -> Any:
-    spec = importlib.util.spec_from_file_location("peers", ROOT / "bench" / "peers.py")
+def _load_peers() -> None:
+    """Imports the package bench/peers as ``peers`` (what the bench scripts import with bench/ on
+    sys.path), without putting bench/ on this process's path."""
+    package = ROOT / "bench" / "peers"
+    spec = importlib.util.spec_from_file_location("peers", package / "__init__.py",
+                                                  submodule_search_locations=[str(package)])
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules["peers"] = module  # dataclasses resolve their module through sys.modules
     spec.loader.exec_module(module)
-    return module
 
 
-peers = _load_peers()
+_load_peers()
+from peers import build, cli, environment, processes  # noqa: E402
+from peers import client as peer_client, report as peer_report  # noqa: E402
 
 # Recorded from `localllm serve` (chat, max_tokens 3, ignore_eos, include_usage): a role-only
 # first chunk whose content is "", three content chunks, then usage.
@@ -89,7 +96,7 @@ async def test_ttft_is_the_first_chunk_with_content_not_the_role_chunk(sse: str)
     client = _client(sse, seen)
     # t0, then one reading per chunk: the role chunk lands at 5 ms, the first token at 250 ms
     times = [10.0, 10.005, 10.25, 10.30, 10.35, 10.36, 10.37]
-    r = await peers.stream_chat(client, "m", [{"role": "user", "content": "Hi"}], 3, clock=_clock(times))
+    r = await peer_client.stream_chat(client, "m", [{"role": "user", "content": "Hi"}], 3, clock=_clock(times))
     assert r.first_chunk_s == pytest.approx(0.005)
     assert r.ttft_s == pytest.approx(0.25)
     assert r.end_s == pytest.approx((0.36 if sse is OURS_SSE else 0.37))
@@ -102,7 +109,7 @@ async def test_ttft_is_the_first_chunk_with_content_not_the_role_chunk(sse: str)
 
 async def test_the_sampled_measure_sends_the_same_sampler_settings_to_both() -> None:
     seen: list[dict[str, Any]] = []
-    await peers.server_sequential(_client(OURS_SSE, seen), "m", 1, 3, "n0", peers.CHAT_SAMPLING)
+    await peer_client.server_sequential(_client(OURS_SSE, seen), "m", 1, 3, "n0", peer_client.CHAT_SAMPLING)
     body = seen[0]
     assert (body["temperature"], body["top_p"], body["top_k"], body["min_p"]) == (0.8, 0.95, 40, 0.05)
     assert body["ignore_eos"] is True
@@ -110,48 +117,48 @@ async def test_the_sampled_measure_sends_the_same_sampler_settings_to_both() -> 
 
 async def test_without_usage_the_content_chunks_are_counted() -> None:
     no_usage = "".join(block + "\n\n" for block in OURS_SSE.split("\n\n") if block and '"usage":{' not in block)
-    r = await peers.stream_chat(_client(no_usage, []), "m", [], 3, clock=_clock([0.0, 0.1, 0.2, 0.3, 0.4]))
+    r = await peer_client.stream_chat(_client(no_usage, []), "m", [], 3, clock=_clock([0.0, 0.1, 0.2, 0.3, 0.4]))
     assert (r.output_tokens, r.prompt_tokens, r.ttft_s) == (3, None, pytest.approx(0.2))
 
 
 def _result(tokens: int, ttft: float | None, prompt: int = 30) -> Any:
-    return peers.StreamResult(ttft_s=ttft, first_chunk_s=0.001, end_s=1.0, output_tokens=tokens,
+    return peer_client.StreamResult(ttft_s=ttft, first_chunk_s=0.001, end_s=1.0, output_tokens=tokens,
                               prompt_tokens=prompt, content_chunks=tokens, text="")
 
 
 def test_aggregate_counts_tokens_over_the_whole_wall_and_flags_short_streams() -> None:
-    a = peers.aggregate([_result(128, 0.2), _result(128, 0.4), _result(100, 0.3, prompt=31)], 4.0, 128)
+    a = peer_client.aggregate([_result(128, 0.2), _result(128, 0.4), _result(100, 0.3, prompt=31)], 4.0, 128)
     assert a["tok_s"] == pytest.approx(356 / 4.0)
     assert a["ttft_p50_s"] == pytest.approx(0.3)
     assert a["prompt_tokens"] == [30, 31] and a["short_streams"] == 1
 
 
 def test_rows_take_medians_and_ratios_are_speeds() -> None:
-    row = peers.Row("single", "decode", "tok/s", ours=[20.0, 18.0, 30.0], theirs=[75.0, 80.0, 70.0])
+    row = peer_report.Row("single", "decode", "tok/s", ours=[20.0, 18.0, 30.0], theirs=[75.0, 80.0, 70.0])
     s = row.summary()
     assert (s["ours"], s["theirs"], s["speed_ratio"]) == (20.0, 75.0, round(20 / 75, 3))
     assert s["target"] == 1.0 and s["met"] is False
     # a TTFT: lower is faster, so the ratio is theirs over ours
-    hit = peers.Row("prefix_hit", "hit", "s", ours=[0.020], theirs=[0.034]).summary()
+    hit = peer_report.Row("prefix_hit", "hit", "s", ours=[0.020], theirs=[0.034]).summary()
     assert hit["speed_ratio"] == pytest.approx(1.7) and hit["met"] is True
-    assert peers.Row("server8", "x", "tok/s", ours=[60.0], theirs=[]).summary()["speed_ratio"] is None
-    assert peers.speed_ratio(10.0, 0.0, "tok/s") is None
+    assert peer_report.Row("server8", "x", "tok/s", ours=[60.0], theirs=[]).summary()["speed_ratio"] is None
+    assert peer_report.speed_ratio(10.0, 0.0, "tok/s") is None
 
 
 def test_report_table_names_the_machine_the_commands_and_the_notes() -> None:
     report = {
         "model": "/m/SmolLM2-135M-Instruct.Q4_1.gguf",
-        "machine": {**peers.machine("model name\t: Test CPU\nflags\t\t: fpu avx2 avx512f amx_int8\n"),
+        "machine": {**environment.machine("model name\t: Test CPU\nflags\t\t: fpu avx2 avx512f amx_int8\n"),
                     "load_average_end": [1.0, 1.0, 1.0], "threads": 2},
         "localllm": {"dtype": "auto", "quant": None, "precision": "bfloat16"},
         "llama_cpp": {"bin_dir": "/b", "version": "0.5.0-dev (build 1, commit 0c1e570)"},
         "trials": 3,
-        "rows": [peers.Row("server16", "server: 16 concurrent streams", "tok/s", ours=[250.0], theirs=[124.0]).summary()],
+        "rows": [peer_report.Row("server16", "server: 16 concurrent streams", "tok/s", ours=[250.0], theirs=[124.0]).summary()],
         "commands": {"servers": {"llama.cpp": "llama-server -m m.gguf -np 16"}},
         "notes": ["llama-cpp-python skipped: it is not installed"],
         "wall_s": 12.0,
     }
-    text = peers.format_report(report)
+    text = peer_report.format_report(report)
     assert "CPU: Test CPU; amx_int8, avx2, avx512f" in text
     assert "250.0" in text and "124.0" in text and "2.02x" in text and ">= 2.0x: met" in text
     assert "servers / llama.cpp: llama-server -m m.gguf -np 16" in text and "llama-cpp-python skipped" in text
@@ -159,25 +166,25 @@ def test_report_table_names_the_machine_the_commands_and_the_notes() -> None:
 
 def test_llama_bench_json() -> None:
     out = json.dumps([{"n_prompt": 512, "n_gen": 0, "avg_ts": 260.5, "samples_ts": [260.5]}])
-    assert peers.parse_llama_bench(out) == 260.5
-    with pytest.raises(peers.PeerError, match="unexpected llama-bench output"):
-        peers.parse_llama_bench("| model | size |")
-    assert peers.llama_bench_cmd(Path("/b/llama-bench"), Path("/m.gguf"), 0, 128, 2) == [
+    assert processes.parse_llama_bench(out) == 260.5
+    with pytest.raises(environment.PeerError, match="unexpected llama-bench output"):
+        processes.parse_llama_bench("| model | size |")
+    assert processes.llama_bench_cmd(Path("/b/llama-bench"), Path("/m.gguf"), 0, 128, 2) == [
         "/b/llama-bench", "-m", "/m.gguf", "-p", "0", "-n", "128", "-t", "2", "-r", "1", "-o", "json"]
 
 
 def test_machine_keeps_only_the_vector_isa_flags() -> None:
-    m = peers.machine("processor : 0\nmodel name : AMD EPYC 7B13\nflags : fpu sse4_2 avx avx2 fma\n")
+    m = environment.machine("processor : 0\nmodel name : AMD EPYC 7B13\nflags : fpu sse4_2 avx avx2 fma\n")
     assert m["cpu"] == "AMD EPYC 7B13" and m["isa"] == ["avx2"]
     assert len(m["load_average"]) == 3 and m["date"].endswith("+00:00")
-    assert "-DCMAKE_CXX_FLAGS=" + peers.NO_AMX in peers.build_flags(["amx_int8", "avx2"])
-    assert not any("amx" in f for f in peers.build_flags(["avx2"]))
+    assert "-DCMAKE_CXX_FLAGS=" + build.NO_AMX in build.build_flags(["amx_int8", "avx2"])
+    assert not any("amx" in f for f in build.build_flags(["avx2"]))
 
 
 def test_a_sigill_says_what_to_do() -> None:
-    msg = str(peers._died("llama-bench", -signal.SIGILL, ""))
+    msg = str(environment.died("llama-bench", -signal.SIGILL, ""))
     assert "illegal instruction" in msg and "--build" in msg
-    assert "exited with 1: boom" in str(peers._died("llama-server", 1, "boom"))
+    assert "exited with 1: boom" in str(environment.died("llama-server", 1, "boom"))
 
 
 def _binary(path: Path) -> None:
@@ -187,57 +194,57 @@ def _binary(path: Path) -> None:
 
 
 def test_find_llama_cpp_looks_in_the_dir_its_bin_and_build_bin(tmp_path: Path) -> None:
-    empty = peers.find_llama_cpp(tmp_path)
+    empty = build.find_llama_cpp(tmp_path)
     assert (empty.bench, empty.server, empty.bin_dir) == (None, None, None)
     msg = empty.missing("llama-server")
     assert msg.startswith("llama.cpp skipped: no llama-server in ") and str(tmp_path / "build" / "bin") in msg
-    assert "--build" in msg and peers.ENV_DIR in msg and "\n" not in msg
+    assert "--build" in msg and build.ENV_DIR in msg and "\n" not in msg
     _binary(tmp_path / "build" / "bin" / "llama-bench")
     (tmp_path / "build" / "bin" / "llama-server").write_text("not executable")
-    found = peers.find_llama_cpp(tmp_path)
+    found = build.find_llama_cpp(tmp_path)
     assert found.bench == tmp_path / "build" / "bin" / "llama-bench" and found.server is None
     # the environment variable is the fallback for --llama-cpp-dir
-    via_env = peers.find_llama_cpp(None, env={peers.ENV_DIR: str(tmp_path / "build")})
+    via_env = build.find_llama_cpp(None, env={build.ENV_DIR: str(tmp_path / "build")})
     assert via_env.bin_dir == tmp_path / "build" / "bin"
 
 
 def test_only_keeps_the_documented_order_and_rejects_unknown_names() -> None:
-    args = peers.build_parser().parse_args(["--only", "prefix,single", "--trials", "2"])
+    args = cli.build_parser().parse_args(["--only", "prefix,single", "--trials", "2"])
     assert args.only == ("single", "prefix") and args.trials == 2
     with pytest.raises(SystemExit) as e:
-        peers.build_parser().parse_args(["--only", "single,bogus"])
+        cli.build_parser().parse_args(["--only", "single,bogus"])
     assert e.value.code == 2
     with pytest.raises(SystemExit):
-        peers.build_parser().parse_args(["--trials", "0"])
+        cli.build_parser().parse_args(["--trials", "0"])
 
 
 def test_no_llama_cpp_is_a_one_line_skip(tmp_path: Path, default_model_path: Path,
                                          capsys: pytest.CaptureFixture[str],
                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    if peers.llama_cpp_python_available() is None:
+    if processes.llama_cpp_python_available() is None:
         pytest.skip("llama-cpp-python is installed here: there is a peer to measure")
-    monkeypatch.delenv(peers.ENV_DIR, raising=False)
-    rc = peers.main(["--model", str(default_model_path), "--llama-cpp-dir", str(tmp_path), "--only", "single"])
+    monkeypatch.delenv(build.ENV_DIR, raising=False)
+    rc = cli.main(["--model", str(default_model_path), "--llama-cpp-dir", str(tmp_path), "--only", "single"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 0 and len(err) == 1 and err[0].startswith("peers: llama.cpp skipped: no llama-bench or llama-server")
 
 
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert peers.main(["--llama-cpp-dir", str(tmp_path / "nope")]) == 2
+    assert cli.main(["--llama-cpp-dir", str(tmp_path / "nope")]) == 2
     assert capsys.readouterr().err.strip() == f"peers: error: --llama-cpp-dir {tmp_path / 'nope'}: no such folder"
     hf = tmp_path / "hf"
     hf.mkdir()
     (hf / "config.json").write_text("{}")
-    assert peers.main(["--model", str(hf), "--llama-cpp-dir", str(tmp_path)]) == 2
+    assert cli.main(["--model", str(hf), "--llama-cpp-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "not a .gguf file" in err[0]
 
 
 def test_prompts_have_the_exact_token_counts(default_model_path: Path) -> None:
-    tok = peers.load_tokenizer(default_model_path)
-    assert len(peers.exact_ids(tok, 512, "abc123")) == 512
-    messages = peers.prompt_of(tok, 1516, "abc123")
-    assert len(tok.encode_chat(messages)) == 1516 and messages[0] == {"role": "system", "content": peers.SYSTEM}
+    tok = peer_client.load_tokenizer(default_model_path)
+    assert len(peer_client.exact_ids(tok, 512, "abc123")) == 512
+    messages = peer_client.prompt_of(tok, 1516, "abc123")
+    assert len(tok.encode_chat(messages)) == 1516 and messages[0] == {"role": "system", "content": peer_client.SYSTEM}
 
 
 def test_localllm_bench_help_points_at_peers(capsys: pytest.CaptureFixture[str]) -> None:
@@ -249,13 +256,13 @@ def test_localllm_bench_help_points_at_peers(capsys: pytest.CaptureFixture[str])
 
 
 def test_llama_cpp_runs_without_our_openmp_tuning(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(peers, "USER_OPENMP", {})
+    monkeypatch.setattr(environment, "USER_OPENMP", {})
     monkeypatch.setenv("GOMP_SPINCOUNT", "50000")
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
-    assert not set(peers.OPENMP_VARS) & set(peers.llama_cpp_env())
-    monkeypatch.setattr(peers, "USER_OPENMP", {"OMP_WAIT_POLICY": "ACTIVE"})
-    assert peers.llama_cpp_env()["OMP_WAIT_POLICY"] == "ACTIVE"
-    assert "GOMP_SPINCOUNT" not in peers.llama_cpp_env()
+    assert not set(environment.OPENMP_VARS) & set(environment.llama_cpp_env())
+    monkeypatch.setattr(environment, "USER_OPENMP", {"OMP_WAIT_POLICY": "ACTIVE"})
+    assert environment.llama_cpp_env()["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert "GOMP_SPINCOUNT" not in environment.llama_cpp_env()
     assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
 
 
@@ -271,3 +278,10 @@ def test_openmp_defaults_leave_the_users_choice_alone() -> None:
     env = {"GOMP_SPINCOUNT": "7"}
     set_openmp_defaults(env)
     assert env == {"GOMP_SPINCOUNT": "7"}
+
+
+def test_the_documented_command_runs_the_package() -> None:
+    # bench/peers.py is a launcher beside the package bench/peers/, which `import peers` finds first
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "peers.py"), "--only", "nope"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "unknown measure nope (choose from single, prefill" in r.stderr

@@ -183,9 +183,9 @@ def test_a_24gb_card_with_2gb_held_by_others_plans_llama_8b_with_room_to_spare(
     gguf = gguf_catalog_weights(entry) if quant == "gguf" else None
     p = plan(entry, hw, quant=quant, gguf=gguf)
     assert p.device == "cuda" and p.quant == quant and p.use_cuda_graphs and p.time_gemm_candidates
-    if quant == "gguf":  # the published Q4_K_M file (4.92 GB), token_embd's blocks swapped for a bf16 table
+    if quant == "gguf":  # the published Q4_K_M file (4.92 GB); a type without a kernel at Q8_0's size
         assert gguf is not None and gguf.tensor_bytes == entry.gguf_sizes["Q4_K_M"] == 4_920_000_000
-        assert p.weight_bytes == 4_920_000_000 - gguf.embedding_bytes + entry.vocab_size * entry.hidden_size * 2
+        assert p.weight_bytes == gguf.memory_bytes(entry, 2) >= 4_920_000_000
     # Room to spare: the model's whole 8K default and far more, at 16-bit KV.
     assert p.kv_dtype == "bfloat16" and p.kv_tokens >= 65_536 and p.max_model_len >= 65_536
     # The reserve (the torch GEMM candidate for the largest matrix, the autotune buffer, cuBLAS)
@@ -282,6 +282,20 @@ def test_summary_and_dict() -> None:
     d = p.to_dict()
     assert d["precision"] == p.precision and d["total_bytes"] == p.total_bytes
     assert isinstance(p, Plan)
+
+
+def test_a_plan_takes_no_write_after_the_planner() -> None:
+    """plan() is a Plan's one writer: no field, nor the reasons or the reserve inside one, can
+    be changed after (what loading adds goes on the LoadedModel)."""
+    p = plan(CATALOG["qwen3-8b"], gpu_hw("RTX 4090"))
+    with pytest.raises(AttributeError):
+        p.num_kv_blocks = 1  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        p.reasons.append("a loader's note")  # type: ignore[attr-defined]
+    with pytest.raises(TypeError):
+        p.reserve["more"] = 1  # type: ignore[index]
+    d = p.to_dict()
+    assert d["reasons"] == list(p.reasons) and d["reserve"] == dict(p.reserve) and p.reserve_bytes > 0
 
 
 def test_decode_bound_is_bandwidth_over_bytes_per_token() -> None:

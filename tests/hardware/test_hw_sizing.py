@@ -13,7 +13,7 @@ from localllm.errors import LocalLLMError
 from localllm.hardware import sizing
 
 if TYPE_CHECKING:
-    from localllm.models.loader import Checkpoint
+    from localllm.models.checkpoint import Checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +95,9 @@ def test_a_gguf_file_is_sized_from_its_tensors(default_model_path: Path, default
     (the file less its header and metadata, up to each tensor's alignment padding)."""
     from gguf import GGUFReader
 
-    weights = sizing.gguf_weights_from_file(default_model_path)
+    from localllm.models.gguf_file import gguf_weights_from_file
+
+    weights = gguf_weights_from_file(default_model_path)
     reader = GGUFReader(default_model_path)
     data = default_model_path.stat().st_size - reader.data_offset
     assert data - len(reader.tensors) * reader.alignment < weights.tensor_bytes <= data
@@ -104,18 +106,22 @@ def test_a_gguf_file_is_sized_from_its_tensors(default_model_path: Path, default
     # token_embd is Q8_0: 49152 x 576 weights, 34 bytes per 32
     assert weights.embedding_bytes == 49152 * 576 // 32 * 34
     cfg = default_checkpoint.config
-    # In memory: the tensors as stored (token_embd's blocks serve as the tied head) + the fp32 lookup table;
-    # for this all-Q4_1 file, exactly the Q4_1 estimate the planner used before it read files.
+    # In memory: the tensors as stored, token_embd's blocks serving the tied head and the lookup
+    # (the CPU kernels take Q4_1 and Q8_0); for this all-Q4_1 file, exactly the Q4_1 estimate
+    # the planner uses for a GGUF it has not read.
     from_file = sizing.weight_bytes(cfg, "float32", "gguf", weights)
-    assert from_file == weights.tensor_bytes + 49152 * 576 * 4
+    assert from_file == weights.tensor_bytes
     assert from_file == sizing.weight_bytes(cfg, "float32", "gguf")
+    assert sizing.decode_read_bytes(cfg, "float32", "gguf", weights) == from_file  # tied: the head reads it all
 
 
 def test_a_file_that_is_not_gguf_is_one_line(tmp_path: Path) -> None:
     bad = tmp_path / "x.gguf"
     bad.write_bytes(b"not a gguf file at all")
-    with pytest.raises(LocalLLMError, match="not a readable GGUF file") as info:
-        sizing.gguf_weights_from_file(bad)
+    from localllm.models.gguf_file import gguf_weights_from_file
+
+    with pytest.raises(LocalLLMError, match="corrupt or truncated GGUF file") as info:
+        gguf_weights_from_file(bad)
     assert "\n" not in str(info.value)
 
 
@@ -139,11 +145,11 @@ def test_q4_k_m_estimate_matches_published_files() -> None:
         sizing.gguf_catalog_weights(llama, "Q5_K_M")
 
 
-def test_gguf_type_bytes_come_from_the_gguf_package_table() -> None:
+def test_gguf_type_bytes_come_from_the_traits_table() -> None:
     assert sizing.gguf_type_bytes("Q4_K", 256) == 144
     assert sizing.gguf_type_bytes("Q6_K", 512) == 420
     assert sizing.gguf_type_bytes("Q4_1", 64) == 40
-    with pytest.raises(ValueError, match="unknown GGUF tensor type"):
+    with pytest.raises(ValueError, match="GGUF tensor type 'Q4_Z' is not one localllm knows"):
         sizing.gguf_type_bytes("Q4_Z", 32)
 
 

@@ -10,7 +10,9 @@ import torch
 from localllm import LLM, SamplingParams
 from localllm.errors import LocalLLMError
 from localllm.models.llama import AttentionMetadata
-from localllm.models.loader import load_model, open_checkpoint, save_hf_folder
+from localllm.models.export import save_hf_folder
+from localllm.models.formats import open_checkpoint
+from localllm.models.loader import load_model
 from tests.reference import hf_state_dict, reference_greedy, reference_logits
 
 PROMPTS = [

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from localllm import LLM, SamplingParams
-from localllm.models.loader import open_checkpoint
+from localllm.models.formats import open_checkpoint
 from tests.reference import hf_state_dict, reference_greedy, reference_logits
 
 VOCAB = 49152  # reuses the default model's tokenizer
@@ -72,7 +72,7 @@ def write_random_model(out: Path, arch: str, tokenizer_src: Path, *, heads: int 
 
 @pytest.fixture(scope="module")
 def tokenizer_folder(default_checkpoint, tmp_path_factory) -> Path:
-    from localllm.models.loader import save_hf_folder
+    from localllm.models.export import save_hf_folder
 
     folder = tmp_path_factory.mktemp("tok")
     default_checkpoint.tokenizer.backend.save(str(folder / "tokenizer.json"))

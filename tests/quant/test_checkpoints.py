@@ -11,7 +11,8 @@ from safetensors import safe_open
 
 from localllm.cli import main
 from localllm.models.llama import LlamaForCausalLM
-from localllm.models.loader import build_model, open_checkpoint
+from localllm.models.formats import open_checkpoint
+from localllm.models.loader import build_model
 from localllm.quant import prepare_for_checkpoint, prepare_online, quantize_model
 from localllm.quant.checkpoint import save_quantized
 from localllm.quant.eval import calibration_samples

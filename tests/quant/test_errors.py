@@ -11,7 +11,8 @@ from safetensors.torch import load_file, save_file
 
 from localllm.cli import main
 from localllm.errors import LocalLLMError
-from localllm.models.loader import build_model, open_checkpoint
+from localllm.models.formats import open_checkpoint
+from localllm.models.loader import build_model
 from localllm.quant import prepare_for_checkpoint, quantize_model
 from localllm.quant.checkpoint import save_quantized
 

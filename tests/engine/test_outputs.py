@@ -114,7 +114,7 @@ def test_the_detokenizer_window_stays_small_on_tokens_that_never_make_text(token
                                                                            monkeypatch) -> None:
     sizes: list[int] = []
     real = Tokenizer.decode
-    monkeypatch.setattr(Tokenizer, "decode", lambda self, ids, **kw: sizes.append(len(ids)) or real(self, ids, **kw))
+    monkeypatch.setattr(Tokenizer, "decode", lambda self, ids, *a, **kw: sizes.append(len(ids)) or real(self, ids, *a, **kw))
     detok = IncrementalDetokenizer(tokenizer)
     special = tokenizer.eos_token_ids[0]  # decodes to nothing: skipped as a special token
     broken = [tokenizer.backend.token_to_id("©")]  # byte 0xA9 alone: a UTF-8 continuation, never a character

@@ -42,7 +42,7 @@ def _measure(engine: LLMEngine, prompt_len: int, warm_tokens: int, monkeypatch) 
         engine.step()
     decoded: list[int] = []
     real_decode = Tokenizer.decode
-    monkeypatch.setattr(Tokenizer, "decode", lambda self, ids, **kw: decoded.append(len(ids)) or real_decode(self, ids, **kw))
+    monkeypatch.setattr(Tokenizer, "decode", lambda self, ids, *a, **kw: decoded.append(len(ids)) or real_decode(self, ids, *a, **kw))
     kept: list[RequestOutput] = []
     peak = 0
     tracemalloc.start()

@@ -127,7 +127,6 @@ environment variables:
   LOCALLLM_CACHE_DIR    where the CPU kernels and compiled graphs built for this machine are
                         kept (default: the platform's cache folder; not moved by LOCALLLM_HOME)
   LOCALLLM_CPU_OPS      0: do not build or use localllm's C++ CPU kernels (torch references)
-  LOCALLLM_REMEASURE    1: time again the kernel choices kept from this machine's first start
   LOCALLLM_BIND_THREADS 0: leave the CPU forward's threads where the OS puts them (default:
                         one per physical core, the engine's thread included)
   LOCALLLM_CPP_WRAPPER  0: compile the CPU decode with Inductor's Python wrapper (comparisons)

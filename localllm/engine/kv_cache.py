@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import errno
 import mmap
 import os
 import sys
@@ -169,6 +170,8 @@ def _populate(tensors: list[torch.Tensor]) -> None:
         while start < end:
             n = min(_CHUNK, end - start)
             if _madvise(start, n, MADV_POPULATE_WRITE) != 0:
+                if ctypes.get_errno() in (errno.EINTR, errno.EAGAIN):
+                    continue  # interrupted or a transient shortage: this chunk again, not a pool half held
                 return  # EINVAL: a kernel before 5.14; pages then come in on first write
             start += n
 

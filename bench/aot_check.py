@@ -40,6 +40,7 @@ from triton.compiler import ASTSource
 # file's PTX checks into a process whose kernels run under the interpreter).
 activation: Any = None
 awq_gemm: Any = None
+gguf_linear: Any = None
 int8_gemm: Any = None
 paged_attention: Any = None
 rmsnorm: Any = None
@@ -49,15 +50,15 @@ rotary_kv: Any = None
 def load_kernels() -> None:
     """Imports the kernel modules for the real compiler: TRITON_INTERPRET must be unset when
     their ``@triton.jit`` decorators run, so this must be the process's first import of them."""
-    global activation, awq_gemm, int8_gemm, paged_attention, rmsnorm, rotary_kv
+    global activation, awq_gemm, gguf_linear, int8_gemm, paged_attention, rmsnorm, rotary_kv
     if os.environ.get("TRITON_INTERPRET") == "1" and "localllm.kernels._triton" in sys.modules:
         raise RuntimeError("the kernels were imported under TRITON_INTERPRET=1: run aot_check in its own process")
     os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU, not the interpreter
     # import_module, not `from localllm.kernels import ...`: the package re-exports functions
     # named like their modules.
-    activation, awq_gemm, int8_gemm, paged_attention, rmsnorm, rotary_kv = (
+    activation, awq_gemm, gguf_linear, int8_gemm, paged_attention, rmsnorm, rotary_kv = (
         import_module(f"localllm.kernels.{m}")
-        for m in ("activation", "awq_gemm", "int8_gemm", "paged_attention", "rmsnorm", "rotary_kv")
+        for m in ("activation", "awq_gemm", "gguf_linear", "int8_gemm", "paged_attention", "rmsnorm", "rotary_kv")
     )
 
 # Shared memory per block that a kernel may use (opt-in maximum), by SM version.
@@ -182,7 +183,35 @@ def gemm_cases(arch: int) -> Iterator[Case]:
                {"num_warps": 4})  # fmt: skip
 
 
-GROUPS = {"attention": attention_cases, "elementwise": elementwise_cases, "gemm": gemm_cases}
+def gguf_cases(arch: int) -> Iterator[Case]:
+    """The GGUF block kernel (kernels/gguf_linear.py): every config of each path (decode GEMV at
+    1 and 4 rows, small-batch and prefill dot) on every type in fp16, and on Q4_K (the
+    commonest type) in bf16 too: the decode, and so the registers, differ per type."""
+    g = gguf_linear
+    fn = g._gguf_matmul_kernel
+    paths = (("gemv", g._GEMV_CONFIGS), ("small", g._SMALL_CONFIGS), ("gemm", g._GEMM_CONFIGS))
+    for name in ("Q4_K",) + tuple(sorted(g.FORMATS - {"Q4_K"})):
+        lay = g.gpu_layout(name)
+        for act in ("fp16", "bf16") if name == "Q4_K" else ("fp16",):
+            # a type without high bits, scale bytes or fp16 fields gets the codes there
+            ptrs = {"x_ptr": f"*{act}", "codes_ptr": "*i32", "high_ptr": "*i32",
+                    "scales_ptr": "*u8" if lay.nsc else "*i32", "d_ptr": "*fp16" if lay.nd else "*i32",
+                    "out_ptr": f"*{act}",
+                    "ws_ptr": "*fp32", "locks_ptr": "*i32"}  # fmt: skip
+            fmt_cx = dict(FORMAT=lay.type_id, BW=lay.block_weights, SUB=lay.sub_block, LO_BITS=lay.lo_bits,
+                          HI_BITS=lay.hi_bits, ND=lay.nd, NSC=lay.nsc, **g.lut_words(name), DOT_FP32=False,
+                          EVEN_K=True)  # fmt: skip
+            for label, cfgs in paths:
+                for i, c in enumerate(cfgs):
+                    if arch < 90 and c.hopper_only:
+                        continue
+                    for bm in (1, 4) if label == "gemv" else (c.kwargs["BLOCK_M"],):
+                        kw = dict(c.kwargs, BLOCK_M=bm)
+                        yield (f"gguf {name} {act} {label}[{i}] {kw}", fn, ptrs,
+                               dict(fmt_cx, **kw, USE_DOT=label != "gemv"), g.launch_options(c))  # fmt: skip
+
+
+GROUPS = {"attention": attention_cases, "elementwise": elementwise_cases, "gemm": gemm_cases, "gguf": gguf_cases}
 ALIGNED = ["stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kb", "stride_ks", "stride_kh", "stride_vb",
            "stride_vs", "stride_vh", "stride_xm", "stride_om", "stride_wn", "stride_x", "stride_r", "stride_o",
            "stride_ro", "N", "K", "n_cols", "stride_qm"]  # fmt: skip

@@ -31,12 +31,16 @@ the JSON is rewritten after every case, so a killed run keeps what it measured):
 - kernels: every Triton kernel against torch eager / SDPA / cuBLAS and against the roofline
   (bytes moved / measured bandwidth). Timings replay a CUDA graph (no launch overhead) over
   enough distinct weight or KV copies that nothing is served from L2, which is what a decode
-  step sees.
+  step sees. GGUF blocks as stored (a Q4_K_M file's Q4_K and Q6_K) at M = 1 (decode GEMV),
+  16 and 2048.
 - tests: ``pytest tests/kernels`` for real on CUDA (TRITON_INTERPRET unset).
 - e2e: a random-weight Llama-3.1-8B-shaped HF folder (bf16, in /tmp), run through
   ``localllm.LLM`` at batch 1 and 64 for each quantization, then bf16 with an FP8 KV cache
   (``kv-fp8``) and bf16 without CUDA graphs (``no-graphs``), plus HF transformers when
-  importable. Batch-1 decode speed is the difference of two runs (16 and 144 new tokens), so
+  importable. ``gguf``: the same shapes written as a Q4_K_M GGUF file (random blocks, the
+  gguf package's writer: carried as a wheel), loaded with the precision left to the planner;
+  it reports the plan, the weights held against the file's tensor bytes, VRAM, and decode
+  speed. Batch-1 decode speed is the difference of two runs (16 and 144 new tokens), so
   prefill and warm-up cancel; it is compared with the weight-bytes-per-token roofline.
 """
 
@@ -220,6 +224,28 @@ def rotate(calls: list[Callable[[], Any]]) -> Callable[[], None]:
 def copies_for(bytes_per_copy: int, target: int, cap: int = 64) -> int:
     """How many distinct copies make one timed pass larger than L2 (H200: 50 MB)."""
     return max(1, min(cap, math.ceil(target / max(bytes_per_copy, 1))))
+
+
+def random_gguf_blocks(torch: Any, kind: str, rows: int, cols: int, device: str = "cpu", seed: int = 0) -> Any:
+    """uint8 [rows, row bytes] of ``kind`` (a traits-table name): random codes and scale bytes,
+    the fp16 fields (d, dmin, m) small and positive, so the weights are finite and about as
+    large as a trained model's (|w| < ~0.05 for Q4_K and Q6_K). Random weights, as the e2e HF
+    model has: for speed and memory, not for answers."""
+    from localllm.quant import gguf_formats as gf
+
+    f = gf.fmt(kind)
+    nb = cols // f.block_weights
+    gen = torch.Generator(device=device).manual_seed(seed)
+    raw = torch.randint(0, 256, (rows, nb, f.block_bytes), dtype=torch.uint8, device=device, generator=gen)
+    offset = 0
+    for field in f.fields:
+        if field.name in ("d", "dmin", "m"):
+            d = (torch.rand(rows, nb, 1, device=device, generator=gen) * 4e-5 + 1e-5).half()
+            raw[:, :, offset:offset + 2] = d.view(torch.uint8)
+        elif field.name == "e":  # MXFP4's E8M0 exponent: 2^-7 .. 2^-5
+            raw[:, :, offset] = torch.randint(120, 123, (rows, nb), dtype=torch.uint8, device=device, generator=gen)
+        offset += field.nbytes
+    return raw.view(rows, nb * f.block_bytes)
 
 
 # --- sections --------------------------------------------------------------------------------------
@@ -451,6 +477,41 @@ def section_kernels(out: dict[str, Any], torch: Any, device: str, smoke: bool, p
         for m in (1, 64, 48 if smoke else 4096):
             case(res, f"{kind}_m{m}_{k8}x{n8}", lambda kind=kind, m=m: w8_case(kind, m))
 
+    # -- GGUF blocks as stored (a Q4_K_M file's two types): decode GEMV and prefill GEMM --
+    def gguf_case(kind: str, m: int, k: int, n: int) -> dict[str, Any]:
+        import importlib
+
+        gl = importlib.import_module("localllm.kernels.gguf_linear")
+        from localllm.quant import gguf_formats as gf
+
+        w_bytes = gf.fmt(kind).nbytes(k * n)
+        n_copies = copies_for(w_bytes, l2_target) if m <= 16 else 1
+        x = torch.randn(m, k, device=device, dtype=act)
+        ws = [gl.pack_gguf_blocks(random_gguf_blocks(torch, kind, n, k, device, seed=i), kind) for i in range(n_copies)]
+        r: dict[str, Any] = {"type": kind, "m": m, "k": k, "n": n, "copies": n_copies,
+                             "bits_per_weight": gf.fmt(kind).bits_per_weight}
+        us, mode = timer(rotate([lambda w=w: gl.gguf_linear_triton(x, w) for w in ws]), calls=n_copies)
+        bytes_moved = w_bytes + m * k * x.element_size() + m * n * x.element_size()
+        r.update(us=round(us, 2), mode=mode, tflops=round(2 * m * k * n / us / 1e6, 2), **roofline(bytes_moved, us))
+        ref_us, _ = timer(rotate([lambda w=w: gl.gguf_linear_reference(x, w) for w in ws]), calls=n_copies)
+        dense = [torch.randn(n, k, device=device, dtype=act) for _ in range(min(n_copies, 4))]
+        dense_us, _ = timer(rotate([lambda d=d: F.linear(x, d) for d in dense]), calls=len(dense))
+        r.update(dequant_matmul_us=round(ref_us, 2), speedup=round(ref_us / us, 2),
+                 dense_bf16_us=round(dense_us, 2), speedup_vs_dense=round(dense_us / us, 2))  # fmt: skip
+        gl.gguf_linear(x, ws[0])  # the dispatcher's measured choice for this shape
+        r["dispatcher_choice"] = {str(key): v for key, v in kt.gemm_choices().items() if key[0] == "gguf"}
+        ref = gl.gguf_linear_reference(x.float(), ws[0])
+        r["max_rel_err_vs_fp32_ref"] = float((gl.gguf_linear_triton(x, ws[0]).float() - ref).abs().max()
+                                             / ref.abs().max().clamp_min(1e-30))
+        return r
+
+    g_shapes = [("Q4_K", 256, 512), ("Q6_K", 512, 256)] if smoke else [("Q4_K", 4096, 14336), ("Q6_K", 14336, 4096)]
+    for kind, k, n in g_shapes:
+        case(res, f"gguf_{kind.lower()}_gemv_m1_{k}x{n}", lambda kind=kind, k=k, n=n: gguf_case(kind, 1, k, n))
+    kind, k, n = g_shapes[0]
+    for m in (16, 48 if smoke else 2048):
+        case(res, f"gguf_{kind.lower()}_gemm_m{m}_{k}x{n}", lambda m=m: gguf_case(kind, m, k, n))
+
     # -- fused elementwise kernels at a 4096-token prefill --
     T, HID = (8, 64) if smoke else (4096, 4096)
 
@@ -610,6 +671,77 @@ def build_random_llama(torch: Any, folder: Path, cfg: dict[str, Any], device: st
     return {"folder": str(folder), "bytes": total, "files": len(files)}
 
 
+def build_q4_k_m_gguf(torch: Any, path: Path, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Writes ``cfg``'s model as a GGUF laid out like llama.cpp's Q4_K_M (its recipe as
+    localllm.hardware.sizing applies it: Q4_K linears, attn_v and ffn_down Q6_K in the layers
+    ``_more_bits`` picks, the head Q6_K, token_embd Q4_K, F32 norms) with random blocks
+    (``random_gguf_blocks``) and a SentencePiece vocabulary of ``t<i>`` pieces, so token-id
+    prompts run. No quantizer is needed: the blocks are written as they would be stored."""
+    import gguf
+    import numpy as np
+
+    from localllm.hardware.sizing import _more_bits  # the recipe's "more bits" layers (one place knows it)
+
+    h, inter, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    qh, kvh, v = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["vocab_size"]
+    layers = cfg["num_hidden_layers"]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("random-llama-q4_k_m")
+    w.add_context_length(8192)
+    w.add_embedding_length(h)
+    w.add_feed_forward_length(inter)
+    w.add_block_count(layers)
+    w.add_head_count(qh)
+    w.add_head_count_kv(kvh)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(["<unk>", "<s>", "</s>"] + [f"\u2581t{i}" for i in range(3, v)])
+    w.add_token_scores([0.0, 0.0, 0.0] + [-float(i) for i in range(3, v)])
+    w.add_token_types([2, 3, 3] + [1] * (v - 3))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+    by_type: dict[str, int] = {}
+    seed = 0
+
+    def blocks(name: str, kind: str, rows: int, cols: int) -> None:
+        nonlocal seed
+        seed += 1
+        data = random_gguf_blocks(torch, kind, rows, cols, seed=seed).numpy()
+        w.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType[kind])
+        by_type[kind] = by_type.get(kind, 0) + data.nbytes
+
+    def norm(name: str) -> None:
+        w.add_tensor(name, np.ones(h, dtype=np.float32))
+        by_type["F32"] = by_type.get("F32", 0) + h * 4
+
+    blocks("token_embd.weight", "Q4_K", v, h)
+    norm("output_norm.weight")
+    blocks("output.weight", "Q6_K", v, h)
+    for i in range(layers):
+        more = "Q6_K" if _more_bits(i, layers) else "Q4_K"
+        norm(f"blk.{i}.attn_norm.weight")
+        norm(f"blk.{i}.ffn_norm.weight")
+        blocks(f"blk.{i}.attn_q.weight", "Q4_K", qh * hd, h)
+        blocks(f"blk.{i}.attn_k.weight", "Q4_K", kvh * hd, h)
+        blocks(f"blk.{i}.attn_v.weight", more, kvh * hd, h)
+        blocks(f"blk.{i}.attn_output.weight", "Q4_K", h, qh * hd)
+        blocks(f"blk.{i}.ffn_gate.weight", "Q4_K", inter, h)
+        blocks(f"blk.{i}.ffn_up.weight", "Q4_K", inter, h)
+        blocks(f"blk.{i}.ffn_down.weight", more, h, inter)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return {"file": str(path), "file_bytes": path.stat().st_size, "tensor_bytes": sum(by_type.values()),
+            "by_type": by_type, "layers": layers}
+
+
 def decode_weight_bytes(cfg: dict[str, Any], quant: str, group: int = 128) -> float:
     """Bytes one decode step must read: every linear's weights in the quantized format, the
     bf16 lm_head, norms; the embedding costs one row."""
@@ -666,9 +798,12 @@ def section_e2e(
         return time.perf_counter() - t, n_tok
 
     results = out.setdefault("runs", {})
-    # Runs that are not a weight quantization: bf16 weights with another engine option.
+    # Runs that are not a weight quantization: bf16 weights with another engine option; "gguf":
+    # the same shapes as a Q4_K_M GGUF file, the precision left to the planner (which must keep
+    # the file's blocks: its plan, VRAM and decode speed are what the case reports).
     variants: dict[str, dict[str, Any]] = {"kv-fp8": {"quant": "none", "kv_cache_dtype": "fp8"},
-                                           "no-graphs": {"quant": "none", "use_cuda_graphs": False}}
+                                           "no-graphs": {"quant": "none", "use_cuda_graphs": False}, "gguf": {}}
+    gguf_file: dict[str, Any] | None = None
     for quant in quants:
         if deadline.left() < (20 if smoke else 60):
             results[quant] = {"skipped": f"time budget ({deadline.left():.0f} s left)"}
@@ -678,24 +813,40 @@ def section_e2e(
         try:
             t = time.monotonic()
             options = variants.get(quant, {"quant": quant})
-            llm = LLM(model=str(folder), device=device, dtype=dtype_name,
+            model_path = folder
+            if quant == "gguf":
+                # K-quant rows are whole 256-weight super-blocks: the smoke model widens to 256
+                gcfg = dict(cfg, hidden_size=256, intermediate_size=512, head_dim=64) if smoke else cfg
+                gguf_file = build_q4_k_m_gguf(torch, folder.parent / f"{folder.name}.Q4_K_M.gguf", gcfg)
+                r["file"] = dict(gguf_file, build_s=round(time.monotonic() - t, 1))
+                model_path = Path(gguf_file["file"])
+                if device == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
+                t = time.monotonic()
+            # a GGUF file: the plan's own dtype (the file's blocks, activations in the compute dtype)
+            llm = LLM(model=str(model_path), device=device, dtype=dtype_name if quant != "gguf" else "auto",
                       max_model_len=1024 if not smoke else 128, **options)  # fmt: skip
             r["options"] = options
             r["load_s"] = round(time.monotonic() - t, 1)
+            if quant == "gguf":
+                r.update(gguf_memory(torch, llm, device, gguf_file))
             timed(llm, 1, short)  # warm-up: compiles, autotunes, captures graphs
             t_short, _ = timed(llm, 1, short)
             t_long, n_long = timed(llm, 1, long_)
             per_tok = (t_long - t_short) / (long_ - short)
-            roof = decode_weight_bytes(cfg, quant) / peak_bw
+            read = decode_weight_bytes(cfg, quant) if quant != "gguf" else gguf_decode_bytes(gguf_file, cfg)
+            roof = read / peak_bw
             r["batch1"] = {"decode_tok_s": round(1 / per_tok, 1), "ms_per_token": round(per_tok * 1e3, 3),
                            "e2e_tok_s": round(n_long / t_long, 1), "roofline_ms_per_token": round(roof * 1e3, 3),
                            "frac_of_roofline": round(roof / per_tok, 3),
-                           "weight_bytes_per_token": int(decode_weight_bytes(cfg, quant))}  # fmt: skip
+                           "weight_bytes_per_token": int(read)}  # fmt: skip
             if deadline.left() > (5 if smoke else 20):
                 b = 8 if smoke else 64
                 timed(llm, b, short)
                 t_b, n_b = timed(llm, b, long_)
                 r[f"batch{b}"] = {"tok_s": round(n_b / t_b, 1), "wall_s": round(t_b, 2), "tokens": n_b}
+            if quant == "gguf" and device == "cuda":
+                r["vram"]["max_allocated_bytes"] = torch.cuda.max_memory_allocated()
             print(f"   e2e {quant}: {r}", flush=True)
         except Exception as e:  # noqa: BLE001
             r["error"] = f"{type(e).__name__}: {e}"
@@ -713,6 +864,35 @@ def section_e2e(
             results["hf_transformers"] = hf_compare(torch, folder, device, dtype, prompts, short, long_, smoke)
         except Exception as e:  # noqa: BLE001
             results["hf_transformers"] = {"error": f"{type(e).__name__}: {e}"}
+
+
+def gguf_memory(torch: Any, llm: Any, device: str, file: dict[str, Any] | None) -> dict[str, Any]:
+    """What a GGUF run holds against its file: the plan's precision and weight bytes, the
+    weights the model holds on the device, and (CUDA) what torch's allocator holds."""
+    from localllm.quant.methods import weight_bytes
+
+    assert file is not None
+    engine = llm.engine
+    held = weight_bytes(engine.runner.model)
+    kinds = sorted({type(m).__name__ for m in engine.runner.model.modules() if getattr(m, "method", "") == "gguf"})
+    r: dict[str, Any] = {
+        "precision": engine.precision, "plan_quant": engine.plan.quant, "plan_reason": engine.plan.precision_reason,
+        "modules": kinds,
+        "vram": {"file_tensor_bytes": file["tensor_bytes"], "plan_weight_bytes": engine.plan.weight_bytes,
+                 "held_weight_bytes": held, "held_over_file": round(held / file["tensor_bytes"], 4),
+                 "kv_pool_bytes": engine.runner.kv_bytes},
+    }
+    if device == "cuda":
+        r["vram"].update(allocated_after_load_bytes=torch.cuda.memory_allocated(),
+                         max_allocated_during_load_bytes=torch.cuda.max_memory_allocated())
+    return r
+
+
+def gguf_decode_bytes(file: dict[str, Any] | None, cfg: dict[str, Any]) -> float:
+    """Bytes one decode step reads from a GGUF run's weights: every tensor's blocks but the
+    untied embedding's (one row of it is looked up)."""
+    assert file is not None
+    return file["tensor_bytes"] - cfg["vocab_size"] * cfg["hidden_size"] * 144 / 256  # token_embd is Q4_K
 
 
 def hf_compare(
@@ -815,7 +995,7 @@ def ensure_package() -> str:
 
 # What the image of the lent H200 lacks that a run imports (the device tool's KINDS.md lists
 # what it has): carry these as wheels (docs/kernels.md, "GPU check", says how).
-CARRY = ("platformdirs",)
+CARRY = ("platformdirs", "gguf")
 # Every module a full run imports; --dry-run imports them all, so a missing one shows up here
 # rather than after minutes on the GPU. transformers is optional (the HF comparison).
 RUN_IMPORTS = (
@@ -823,7 +1003,7 @@ RUN_IMPORTS = (
     "localllm.kernels", "localllm.kernels._triton", "localllm.kernels.activation", "localllm.kernels.awq_gemm",
     "localllm.kernels.fp8_gemm", "localllm.kernels.int8_gemm", "localllm.kernels.paged_attention",
     "localllm.kernels.rmsnorm", "localllm.kernels.rotary_kv", "localllm.kernels.tuning", "localllm",
-    "localllm.api", "localllm.engine.engine",
+    "localllm.api", "localllm.engine.engine", "gguf", "localllm.kernels.gguf_linear", "localllm.quant.gguf_cuda",
 )  # fmt: skip
 OPTIONAL_IMPORTS = ("transformers",)
 
@@ -871,9 +1051,10 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=500.0,
                     help="seconds for the whole run (a watchdog ends it 30 s past this, JSON saved)")
     ap.add_argument("--reps", type=int, default=30, help="timed repetitions per case")
-    ap.add_argument("--e2e-quants", default="rtn4,none,fp8,int8,kv-fp8,no-graphs",
+    ap.add_argument("--e2e-quants", default="rtn4,gguf,none,fp8,int8,kv-fp8,no-graphs",
                     help="quant methods for the e2e runs, most wanted first (rtn4 = AWQ format, no calibration),"
-                         " and the bf16 variants kv-fp8 (FP8 KV cache) and no-graphs (CUDA graphs off)")
+                         " gguf (the same shapes as a Q4_K_M GGUF file, planned by the engine), and the bf16"
+                         " variants kv-fp8 (FP8 KV cache) and no-graphs (CUDA graphs off)")
     ap.add_argument("--e2e-layers", type=int, default=8,
                     help="decoder layers of the 8B-shaped model (8: fits the budget; the roofline counts them)")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers comparison")

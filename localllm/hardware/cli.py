@@ -42,6 +42,8 @@ class _Model:
     dims: ModelDims
     gguf: GGUFWeights | None = None  # a file's tensors, or the catalog's Q4_K_M with --quant gguf
     gguf_why: str = CPU_GGUF_WHY  # a file's: each stored type and what runs it on the CPU
+    gguf_types: tuple[tuple[str, int], ...] = ()  # a file's tensors' types (HF name, type), for a GPU's line
+    tied: bool = False
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -180,7 +182,8 @@ def _gguf_file_model(path: Path, quant: str | None) -> _Model:
     ckpt = open_checkpoint(path)
     cfg = ckpt.config
     return _Model(path.name, str(path), cfg.architecture, True, count_params(cfg), cfg.max_context, cfg,
-                  gguf_weights_from_file(path), reason_line(ckpt.block_types, cfg.tie_word_embeddings))
+                  gguf_weights_from_file(path), reason_line(ckpt.block_types, cfg.tie_word_embeddings),
+                  tuple(ckpt.block_types.items()), cfg.tie_word_embeddings)
 
 
 def _with_vram_used(hw: Hardware, used_gib: float) -> Hardware:
@@ -232,10 +235,16 @@ def _row(
     # the planner's ladder after them unless --quant gguf pins them.
     gguf_on_cpu = model.gguf is not None and hw.gpu is None
     quant = args.quant or ("gguf" if model.gguf is not None and not gguf_on_cpu else None)
+    gpu_gguf = None
+    if model.gguf_types and hw.gpu is not None:  # a file on a GPU: its types on the Triton kernels
+        from localllm.quant.gguf_cuda import TRITON
+        from localllm.quant.gguf_modules import reason_line
+
+        gpu_gguf = reason_line(dict(model.gguf_types), model.tied, TRITON)
     try:
         p = plan(entry, hw, context=args.context, chats=args.chats, quant=quant, name=model.id,
                  gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_dtype=args.kv_cache_dtype,
-                 gguf=model.gguf, cpu_gguf=model.gguf_why if gguf_on_cpu else None)
+                 gguf=model.gguf, cpu_gguf=model.gguf_why if gguf_on_cpu else None, gpu_gguf=gpu_gguf)
     except DoesNotFit as e:
         # Report the smallest precision's footprint: that is what did not fit.
         gpu = hw.gpu

@@ -8,7 +8,9 @@ names the nearest plan that would (a shorter context, fewer chats, a smaller mod
 
 The ladder: bf16 while it leaves room for the wanted KV; FP8 next on GPUs
 with FP8 tensor cores (sm89+), INT8 weight-only on older ones; AWQ 4-bit last. Hopper and
-datacenter Blackwell take the full path: FP8 first, CUDA graphs, the largest batch.
+datacenter Blackwell take the full path: FP8 first, CUDA graphs, the largest batch. A GGUF
+checkpoint whose linears a kernel takes starts the ladder with its own blocks ("gguf": the
+CPU's kernels, or the GPU's Triton ones in the compute dtype), sized from the file's tensors.
 
 The KV cache is 16-bit (fp32 on CPU) while any rung leaves room for the wanted tokens; when
 none does, GPUs with FP8 support walk the ladder again with an FP8 (e4m3) cache, which halves
@@ -82,15 +84,18 @@ CANDIDATE_BYTES_PER_WEIGHT = {"awq": 12, "gguf": 12, "fp8": 4, "int8": 4}
 GPU_MARGIN_FRACTION = 0.02
 GPU_MARGIN_MIN_BYTES = 256 * MiB
 # oneDNN scratch, thread pools, allocator slack, the tokenizer: measured on the real engine after its
-# largest step (tests/hardware/test_hw_memory.py; fp32 and bf16 grew 80-84 MB past the rest of the plan)
-CPU_RUNTIME_BYTES = 112 * MiB
+# largest step (tests/hardware/test_hw_memory.py; fp32 and bf16 grew 80-84 MB past the rest of the
+# plan). 63 MiB of that was Dynamo's modules, which the eager path no longer imports (2026-12-04:
+# `run --json` of the default model without compiling grew 499 MiB instead of 562): they are in
+# CPU_COMPILE_BYTES now, where the compile thread imports them
+CPU_RUNTIME_BYTES = 49 * MiB
 # torch.compile's decode graphs loaded from their saved files, as every start after the first
 # runs (RSS growth of `localllm run --json` over the eager engine, default model, 2026-12-02,
 # Xeon): 72-92 MiB for fp32, GGUF, bf16, int8 and int4 alike. The start that compiles them
 # holds 146-158 MiB more (Dynamo's and Inductor's structures): CPU_FIRST_COMPILE_BYTES, which
 # the memory check adds for that start only; one figure for both (170 MiB) had put every
-# warm start 12-19% over its measure.
-CPU_COMPILE_BYTES = 85 * MiB
+# warm start 12-19% over its measure. With Dynamo's modules (63 MiB, see CPU_RUNTIME_BYTES).
+CPU_COMPILE_BYTES = 148 * MiB
 CPU_FIRST_COMPILE_BYTES = 150 * MiB
 MIN_SUGGESTED_CONTEXT = 512
 MEMORY_TOLERANCE = 0.10  # predicted against measured
@@ -483,7 +488,8 @@ def _fit(model: ModelDims, t: _Target, rung: _Rung, graphs: bool, batched_tokens
     kv_dtype = "fp8" if kv_fp8 else "float32" if t.device == "cpu" else rung.weight_dtype
     act_dtype = "float32" if t.device == "cpu" else rung.weight_dtype
     weights = weight_bytes(model, rung.weight_dtype, rung.quant, gguf)
-    workspace = workspace_bytes(model, act_dtype, batched_tokens, max(chats, t.seqs_cap))
+    workspace = workspace_bytes(model, act_dtype, batched_tokens, max(chats, t.seqs_cap),
+                                logit_copies=1 if t.device == "cpu" else 2)
     reserve: dict[str, int] = {}
     budget = t.budget
     if t.device == "cuda":
@@ -540,14 +546,17 @@ def plan(
     cpu_compile: bool = True,
     name: str | None = None,
     gguf: GGUFWeights | None = None,
+    gpu_gguf: str | None = None,
 ) -> Plan:
     """The plan for ``model`` on ``hw``. Raises LocalLLMError for bad input, DoesNotFit when
     nothing fits (with the nearest plan that would). ``cpu_gguf``: the checkpoint is a GGUF
-    file whose blocks the CPU kernels run as they are, and the measured reason they win; a
-    CPU plan then starts from "gguf". ``name`` is what messages and the plan call the model
-    (default: the model's id or name attribute). ``kv_cache_dtype`` is "auto" (16-bit, FP8
-    where only that fits) or "fp8" ("fp8_e4m3"). ``gguf``: the GGUF checkpoint's tensors, which
-    size a "gguf" plan (without them, the Q4_1 estimate)."""
+    file whose blocks the CPU kernels run as they are, and the reason line saying which; a
+    CPU plan then starts from "gguf". ``gpu_gguf``: the same for the GPU's Triton kernels; a
+    CUDA plan then starts from "gguf" in the compute dtype. ``name`` is what messages and the
+    plan call the model (default: the model's id or name attribute). ``kv_cache_dtype`` is
+    "auto" (16-bit, FP8 where only that fits) or "fp8" ("fp8_e4m3"). ``gguf``: the GGUF
+    checkpoint's tensors, which size a "gguf" plan (without them, the Q4_1 estimate); on a GPU
+    as the Triton kernels hold them (``GGUFWeights.kernels``)."""
     if dtype == "auto":
         dtype = None
     _validate(context, chats, quant, dtype, gpu_memory_utilization, block_size)
@@ -567,8 +576,15 @@ def plan(
     ladder = _ladder(t, hw, quant, dtype)
     if t.device == "cpu" and cpu_gguf and (quant in (None, "gguf")) and dtype is None:
         ladder = [_Rung("float32", "gguf", cpu_gguf)] + ([] if quant else ladder)
+    if t.device == "cuda" and gpu_gguf and quant in (None, "gguf"):
+        # the file's blocks, with activations in the compute dtype; the ladder follows for a
+        # file that does not fit (awq-int4 is smaller than a Q8_0 file)
+        ladder = [_Rung(ladder[0].weight_dtype, "gguf", gpu_gguf)] + ([] if quant else ladder)
+    if gguf is not None and t.device == "cuda":
+        gguf = replace(gguf, kernels="triton")  # a type those kernels lack is held at FALLBACK's size
     if gguf is not None:
-        sized = f" (sized from {gguf.source}: {gguf.label}, {fmt_bytes(gguf.tensor_bytes)})"
+        experts = f"; {gguf.expert_label}" if gguf.expert_label else ""
+        sized = f" (sized from {gguf.source}: {gguf.label}, {fmt_bytes(gguf.tensor_bytes)}{experts})"
         ladder = [replace(r, why=r.why + sized) if r.quant == "gguf" else r for r in ladder]
 
     # Before a precision is given up, the cheaper knobs go first: a smaller prefill chunk
@@ -601,7 +617,8 @@ def plan(
 
     if chosen is None:
         raise _does_not_fit(model, hw, name, t, tried, wanted, chats, quant, dtype, gpu_memory_utilization,
-                            block_size, kv_cache_dtype, model_max, suggest_models, gguf)
+                            block_size, kv_cache_dtype, model_max, suggest_models, gguf,
+                            {"cpu_gguf": cpu_gguf, "gpu_gguf": gpu_gguf})
 
     # Say why each bigger rung was passed over, so "fp8" never looks arbitrary.
     with_kv = " with an fp8 KV cache" if sixteen is not None else ""
@@ -703,15 +720,16 @@ def _fits_as(p: Plan) -> str:
 def _does_not_fit(
     model: ModelDims, hw: Hardware, name: str, t: _Target, tried: list[_Fit], wanted: int, chats: int,
     quant: str | None, dtype: str | None, util: float, block_size: int, kv_cache_dtype: str, model_max: int | None,
-    suggest_models: bool, gguf: GGUFWeights | None = None,
+    suggest_models: bool, gguf: GGUFWeights | None = None, gguf_lines: dict[str, str | None] | None = None,
 ) -> DoesNotFit:
     last = tried[-1]  # the smallest precision tried (with an FP8 cache, if one was tried)
     label = precision_label(last.rung.weight_dtype, last.rung.quant)
     if last.kv_dtype == "fp8":
         label += " with an fp8 KV cache"
     needed = last.fixed + wanted * chats * last.kvpt
+    # the nearest plans keep a GGUF file's blocks where this one would have (``gguf_lines``)
     kwargs: dict[str, Any] = dict(quant=quant, dtype=dtype, gpu_memory_utilization=util, block_size=block_size,
-                                  kv_cache_dtype=kv_cache_dtype, suggest_models=False, gguf=gguf)
+                                  kv_cache_dtype=kv_cache_dtype, suggest_models=False, gguf=gguf, **(gguf_lines or {}))
     suggestions: list[str] = []
     nearest: Plan | None = None
     per_chat = last.capacity // chats // 256 * 256
@@ -773,7 +791,8 @@ def _smaller_catalog_model(
     for entry in sorted(entries, key=lambda e: e.params, reverse=True):
         if not entry.supported or entry.params >= size or entry.max_context < wanted:
             continue
-        gguf = gguf_catalog_weights(entry) if kwargs.get("quant") == "gguf" else None
+        as_gguf = kwargs.get("quant") == "gguf" or kwargs.get("cpu_gguf") or kwargs.get("gpu_gguf")
+        gguf = gguf_catalog_weights(entry) if as_gguf else None
         try:
             return entry.id, plan(entry, hw, context=wanted, chats=chats, **{**kwargs, "gguf": gguf})
         except LocalLLMError:

@@ -171,10 +171,9 @@ def weight_bytes(m: ModelDims, weight_dtype: str = "bfloat16", quant: str | None
         return c.block_linear + c.block_rows * CHANNEL_SCALE_BYTES + rest
     if quant == "awq":
         return int(c.block_linear / 2 + c.awq_groups * (AWQ_SCALE_BYTES + AWQ_ZERO_BYTES)) + rest
-    if quant == "gguf":  # blocks for the linears, the head and the embedding (one table when tied)
-        # (a mixture of experts' experts are held dequantized, in the float dtype: models/moe.py)
-        return int(c.block_linear * GGUF_LINEAR_BYTES_PER_WEIGHT
-                   + (c.embedding + c.lm_head) * GGUF_HEAD_BYTES_PER_WEIGHT) + (c.norms + c.experts) * b
+    if quant == "gguf":  # blocks for the linears, the experts, the head and the embedding (one table when tied)
+        return int((c.block_linear + c.experts) * GGUF_LINEAR_BYTES_PER_WEIGHT
+                   + (c.embedding + c.lm_head) * GGUF_HEAD_BYTES_PER_WEIGHT) + c.norms * b
     raise ValueError(f"unknown quantization {quant!r}; use one of {', '.join(QUANTS)}")
 
 
@@ -201,6 +200,8 @@ def _inactive_expert_bytes(m: ModelDims, weight_dtype: str, quant: str | None, g
         return 0
     if quant == "gguf" and gguf is not None:
         return gguf.expert_memory(DTYPE_BYTES[weight_dtype]) * (experts - k) // experts
+    if quant == "gguf":  # the dims estimate: blocks as weight_bytes charges them
+        return int(param_counts(m).inactive_experts * GGUF_LINEAR_BYTES_PER_WEIGHT)
     return param_counts(m).inactive_experts * DTYPE_BYTES[weight_dtype]
 
 
@@ -222,19 +223,22 @@ def kv_bytes(m: ModelDims, tokens: int, kv_dtype: str = "bfloat16") -> int:
     return tokens * kv_bytes_per_token(m, kv_dtype)
 
 
-def workspace_bytes(m: ModelDims, act_dtype: str, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+def workspace_bytes(m: ModelDims, act_dtype: str, max_num_batched_tokens: int, max_num_seqs: int,
+                    logit_copies: int = 2) -> int:
     """Peak activation memory of one forward step, which runs a block at a time.
 
     Per token alive at once: the residual stream, the normed input and the block output
     (3 x hidden), q, k and v, the attention output, and gate, up and their product
-    (3 x intermediate). Logits are kept in fp32 for the sampled rows, twice (logits and
-    the probabilities the sampler derives from them).
+    (3 x intermediate). Logits are kept in fp32 for the sampled rows, ``logit_copies`` times:
+    two where the sampler derives a probability tensor from them (torch, on the GPU), one on
+    the CPU, whose C++ sampler reads the logits in place (a Gemma-size vocabulary made the
+    second copy 12% of the plan there).
     """
     b = _check_dtype(act_dtype)
     q = m.num_heads * m.head_dim
     kv = m.num_kv_heads * m.head_dim
     per_token = 3 * m.hidden_size + 2 * q + 2 * kv + 3 * m.intermediate_size
-    logits = 2 * max_num_seqs * m.vocab_size * 4
+    logits = logit_copies * max_num_seqs * m.vocab_size * 4
     return max_num_batched_tokens * per_token * b + logits
 
 
@@ -268,8 +272,8 @@ class GGUFWeights:
     Invariant: ``tensor_bytes`` is the sum of every tensor's stored bytes (for a file, the sum
     over its tensor headers; the file is that plus its metadata). In memory every tensor keeps
     its blocks, ``token_embd`` serving the embedding lookup (and the head, when tied), except
-    that a type localllm's CPU kernels do not take is held at ``gguf_formats.FALLBACK``'s size
-    (``memory_bytes``).
+    that a type the plan's kernels (``kernels``: the CPU's, or the GPU's Triton ones) do not take
+    is held at ``gguf_formats.FALLBACK``'s size (``memory_bytes``).
     """
 
     tensor_bytes: int
@@ -277,16 +281,36 @@ class GGUFWeights:
     types: tuple[tuple[str, int], ...]  # (ggml type name, stored bytes), most bytes first
     source: str  # what it was sized from, for the plan's reason: the file, the catalog or the dims
     embedding_type: str = "Q8_0"
-    # the stacked expert tensors (``*_exps``, by type: stored bytes), held dequantized in the
-    # float dtype (models/moe.py has no block kernel)
+    # the stacked expert tensors (``*_exps``, by type: stored bytes): on the CPU's kernels held
+    # as stored (quant/gguf_experts.py; a type they lack at FALLBACK's size, as a linear), on
+    # others dequantized to the float dtype (models/moe.py's float experts)
     expert_types: tuple[tuple[str, int], ...] = ()
+    # whose kernels hold the blocks (gguf_formats.KERNELS): "cpu", or "triton" on a GPU; a type
+    # those kernels do not take is held at FALLBACK's size
+    kernels: str = "cpu"
 
     def expert_weights(self) -> int:
         return sum(n // gguf_formats.fmt(t).block_bytes * gguf_formats.fmt(t).block_weights
                    for t, n in self.expert_types)
 
+    @property
+    def experts_as_stored(self) -> bool:
+        """Whether the plan's kernels hold the experts' blocks (the CPU's: GGUFExperts)."""
+        return self.kernels == "cpu"
+
     def expert_memory(self, float_bytes: int) -> int:
+        if self.experts_as_stored:
+            return sum(self._in_memory(name, n) for name, n in self.expert_types)
         return self.expert_weights() * float_bytes
+
+    @property
+    def expert_label(self) -> str:
+        """The experts' stored types and how they are held, for the plan's reason, e.g.
+        "experts Q4_K 12.1 GB + Q6_K 3.2 GB as stored"; "" for a dense model."""
+        if not self.expert_types:
+            return ""
+        kinds = " + ".join(f"{name} {n / 1e9:.2f} GB" for name, n in sorted(self.expert_types, key=lambda kv: -kv[1]))
+        return f"experts {kinds} {'as stored' if self.experts_as_stored else 'dequantized to the float dtype'}"
 
     @property
     def label(self) -> str:
@@ -294,10 +318,9 @@ class GGUFWeights:
         total = max(1, self.tensor_bytes)
         return " + ".join(f"{name} {100 * n / total:.0f}%" for name, n in self.types if 100 * n / total >= 0.5)
 
-    @staticmethod
-    def _in_memory(type_name: str, stored: int) -> int:
+    def _in_memory(self, type_name: str, stored: int) -> int:
         f = gguf_formats.fmt(type_name)
-        if f.is_float or f.cpu_kernel:
+        if f.is_float or f.has_kernel(self.kernels):
             return stored
         weights = stored // f.block_bytes * f.block_weights
         return gguf_formats.fmt(gguf_formats.FALLBACK).nbytes(weights)
@@ -307,10 +330,10 @@ class GGUFWeights:
         return self._in_memory(self.embedding_type, self.embedding_bytes)
 
     def memory_bytes(self, m: ModelDims, float_bytes: int) -> int:
-        """Every tensor's blocks, a type without a CPU kernel at its fallback's size, and the
-        stacked experts dequantized to ``float_bytes`` each. (Float tensors, the norms, stay as
-        stored; ``m`` is unused since the embedding lookup reads blocks, and kept for the
-        callers' one signature.)"""
+        """Every tensor's blocks, a type without a kernel (``kernels``') at its fallback's size, and the
+        stacked experts as ``expert_memory`` holds them (``float_bytes`` each where dequantized).
+        (Float tensors, the norms, stay as stored; ``m`` is unused since the embedding lookup
+        reads blocks, and kept for the callers' one signature.)"""
         del m
         experts = sum(self._in_memory(name, n) for name, n in self.expert_types)
         return sum(self._in_memory(name, n) for name, n in self.types) - experts + self.expert_memory(float_bytes)
@@ -323,12 +346,16 @@ def gguf_weights_from_tensors(tensors: Iterable[tuple[str, str, int]], source: s
     embedding, embedding_type = 0, "Q8_0"
     for name, type_name, n in tensors:
         by_type[type_name] = by_type.get(type_name, 0) + n
-        if "_exps." in name:
+        if "_exps.weight" in name:  # the stacked matrices (their biases are float, held as stored)
             experts[type_name] = experts.get(type_name, 0) + n
         if name == "token_embd.weight":
             embedding, embedding_type = n, type_name
     types = tuple(sorted(by_type.items(), key=lambda kv: -kv[1]))
     return GGUFWeights(sum(by_type.values()), embedding, types, source, embedding_type, tuple(experts.items()))
+
+
+# Families whose experts every llama.cpp mix keeps in MXFP4, as published (gpt-oss)
+MXFP4_EXPERTS = frozenset({"GptOssForCausalLM"})
 
 
 def _more_bits(i: int, n: int) -> bool:
@@ -341,7 +368,8 @@ def gguf_q4_k_m_weights(m: ModelDims) -> GGUFWeights:
     """What llama.cpp's Q4_K_M of this model holds, from its dims: Q4_K linears; attn_v and
     ffn_down Q6_K in the layers ``_more_bits`` picks; the head Q6_K (the embedding, when tied);
     token_embd Q4_K; norms F32; 256-block types on rows of another length falling back as
-    llama.cpp does. A catalog entry's published file size (``gguf_sizes["Q4_K_M"]``) wins
+    llama.cpp does; a family in ``MXFP4_EXPERTS`` with its experts in MXFP4 whatever the mix.
+    A catalog entry's published file size (``gguf_sizes["Q4_K_M"]``) wins
     over this estimate (within 1% of it for Llama-3.1-8B, tests/test_catalog.py)."""
     by_type: dict[str, int] = {}
 
@@ -364,7 +392,10 @@ def gguf_q4_k_m_weights(m: ModelDims) -> GGUFWeights:
         add("Q6_K" if more else "Q4_K", kv, h)  # attn_v
         add("Q4_K", h, q)  # attn_output
         if experts:  # ffn_{gate,up,down}_exps: the same recipe over E stacked matrices; the router F32
-            for kind, rows, cols in (("Q4_K", width, h), ("Q4_K", width, h), ("Q6_K" if more else "Q4_K", h, width)):
+            recipe = (("Q4_K", width, h), ("Q4_K", width, h), ("Q6_K" if more else "Q4_K", h, width))
+            if getattr(m, "architecture", "") in MXFP4_EXPERTS:
+                recipe = (("MXFP4", width, h), ("MXFP4", width, h), ("MXFP4", h, width))
+            for kind, rows, cols in recipe:
                 n, kind = add(kind, experts * rows, cols)
                 expert_types[kind] = expert_types.get(kind, 0) + n
             by_type["F32"] = by_type.get("F32", 0) + experts * h * 4

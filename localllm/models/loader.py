@@ -24,6 +24,9 @@ from localllm.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from localllm.hardware.planner import Plan
+    from localllm.hardware.probe import Hardware
+    from localllm.hardware.sizing import GGUFWeights
+    from localllm.quant.gguf_modules import BlockKernels
 
 
 def build_model(
@@ -50,7 +53,9 @@ def build_model(
     if tied:
         # to_empty visits a shared Parameter once per owner and would allocate it twice
         model.lm_head._parameters["weight"] = None
-    model = model.to_empty(device=device)
+    # what to_empty does, without its empty_like of a meta tensor: that runs torch's Python
+    # reference, which imports sympy and torch's symbolic shapes (~0.3-1 s of every start)
+    model = model._apply(lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device))
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
     done = 0
@@ -150,6 +155,52 @@ def _notes_beyond(
     return notes
 
 
+def _gguf_kernels(triton: bool) -> BlockKernels:
+    """Whose kernels run a GGUF plan's blocks: the GPU's Triton kernels (on CUDA, and in a
+    rehearsal) or the CPU's."""
+    from localllm.quant import gguf_modules
+
+    if triton:
+        from localllm.quant.gguf_cuda import TRITON
+
+        return TRITON
+    return gguf_modules.CPU
+
+
+def gguf_plan_inputs(
+    ckpt: Checkpoint, hw: Hardware, dtype: str = "auto", asked: bool = False
+) -> tuple[str | None, str | None, GGUFWeights | None]:
+    """What the planner gets for a GGUF checkpoint on ``hw``: ``(cpu_gguf, gpu_gguf, gguf)``,
+    the reason line for the CPU's or the GPU's kernels (the one that will run the blocks) and
+    the file's tensors sized as those kernels hold them; all None where no linear of the file
+    has a kernel (then the file is dequantized and planned like a float checkpoint).
+
+    The blocks run on the GPU's Triton kernels on a GPU plan (and in a rehearsal, which runs
+    the GPU's code path on CPU tensors), else on the CPU's; a CPU plan computes in fp32, so
+    there an asked dtype leaves the blocks. ``asked``: --quant gguf, which fails in one line
+    where no linear can stay in its blocks. No timing decides: a start beside a busy program
+    once measured bf16 faster and took it."""
+    from localllm.kernels._triton import rehearsing
+    from localllm.models.gguf_file import gguf_weights_from_file
+    from localllm.quant import gguf_modules
+
+    on_gpu = hw.gpu is not None
+    if not (dtype == "auto" or on_gpu):
+        return None, None, None
+    kernels = _gguf_kernels(on_gpu or rehearsing())
+    tied = ckpt.config.tie_word_embeddings
+    if not gguf_modules.has_kept_linears(ckpt.block_types, tied, kernels):
+        if asked:
+            needs = ("Triton" if kernels.name == "triton"
+                     else "localllm's CPU kernels (an x86-64-v3 CPU and a C++ compiler)")
+            raise LocalLLMError(f"--quant gguf needs {needs} and a file with linears in a type they take"
+                                " (see docs/quantization.md)")
+        return None, None, None
+    line = gguf_modules.reason_line(ckpt.block_types, tied, kernels)
+    weights = replace(gguf_weights_from_file(ckpt.path), kernels=kernels.name)
+    return (None, line, weights) if on_gpu else (line, None, weights)
+
+
 def load_model(
     name: str | None,
     *,
@@ -194,27 +245,16 @@ def load_model(
     plan_quant = {"rtn4": "awq", "int8-w8a8": "int8", "none": None}.get(quant, quant) if quant else None
     if pre_quant:
         plan_quant = "fp8" if pre_quant == "compressed-tensors" else pre_quant
-    cpu_gguf = None
     if quant == "gguf" and ckpt.format != "gguf":
         raise LocalLLMError(f"--quant gguf keeps a GGUF file's blocks, but {path.name} is not a .gguf file")
-    gguf_weights = None
-    if ckpt.format == "gguf" and not pre_quant and quant in (None, "gguf") and dtype == "auto" and device != "cuda":
-        from localllm.models.gguf_file import gguf_weights_from_file
-        from localllm.quant import gguf_modules
-
-        # A file whose linears the CPU kernels take stays in its blocks, with no timing to
-        # decide: a start beside a busy program once measured bf16 faster and took it.
-        if gguf_modules.has_kept_linears(ckpt.block_types, cfg.tie_word_embeddings):
-            cpu_gguf = gguf_modules.reason_line(ckpt.block_types, cfg.tie_word_embeddings)
-            gguf_weights = gguf_weights_from_file(path)
-        elif quant == "gguf":
-            raise LocalLLMError("--quant gguf needs localllm's CPU kernels (an x86-64-v3 CPU and a C++ compiler) and "
-                                "a file with linears in a type they take (see docs/quantization.md)")
+    cpu_gguf = gpu_gguf = gguf_weights = None
+    if ckpt.format == "gguf" and not pre_quant and quant in (None, "gguf"):
+        cpu_gguf, gpu_gguf, gguf_weights = gguf_plan_inputs(ckpt, hw, dtype, quant == "gguf")
     plan = make_plan(
         cfg, hw, context=max_model_len or context, chats=chats, quant=None if quant == "gguf" else plan_quant,
         dtype=None if dtype == "auto" else dtype, gpu_memory_utilization=gpu_memory_utilization,
         block_size=block_size, cpu_gguf=cpu_gguf, cpu_compile=compile, name=name or store.DEFAULT_MODEL,
-        kv_cache_dtype=kv_cache_dtype, gguf=gguf_weights,
+        kv_cache_dtype=kv_cache_dtype, gguf=gguf_weights, gpu_gguf=gpu_gguf,
     )
     dev = torch.device(plan.device)
     torch_dtype = _DTYPES[plan.weight_dtype]
@@ -237,13 +277,14 @@ def load_model(
     if method == "gguf":
         from localllm.quant import gguf_modules
 
+        kernels = _gguf_kernels(dev.type == "cuda" or rehearsing())
         raw: set[str] = set()  # filled by the swap, read when the weights start streaming
 
         def swap(m: LlamaForCausalLM) -> None:
-            raw.update(gguf_modules.plan_gguf_modules(m, ckpt.block_types, cfg.tie_word_embeddings))
+            raw.update(gguf_modules.plan_gguf_modules(m, ckpt.block_types, cfg.tie_word_embeddings, kernels))
 
         weight_options = {"raw": raw, "head_from_embedding": cfg.tie_word_embeddings}
-        method = gguf_modules.precision_label(ckpt.block_types, cfg.tie_word_embeddings)
+        method = gguf_modules.precision_label(ckpt.block_types, cfg.tie_word_embeddings, kernels)
     elif pre_quant:
         from localllm.quant import prepare_for_checkpoint
 

@@ -119,6 +119,22 @@ def dequantize_blocks(blocks: torch.Tensor, type_: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(arr)).reshape(blocks.shape[0], -1)
 
 
+def shard_blocks(module: QuantLinear, name: str, tensor: torch.Tensor | GGUFBlocks, rows: slice) -> torch.Tensor:
+    """The blocks a block linear (``module.block_type``) keeps for output rows ``rows``: the
+    file's own (``GGUFBlocks``, checked against the module's type and shape), or a float weight
+    quantized to the module's type here (a second rounding). Uint8 ``[rows, row_bytes]``."""
+    n, block_type = rows.stop - rows.start, int(getattr(module, "block_type"))
+    if isinstance(tensor, GGUFBlocks):
+        if tensor.type != block_type or tensor.shape != (n, module.in_features):
+            raise LocalLLMError(
+                f"GGUF tensor {gf.type_name(tensor.type)} {tensor.shape} does not fit a "
+                f"{gf.type_name(block_type)} linear shard of {n}x{module.in_features}"
+            )
+        return tensor.data
+    module._check_shape(name, tensor, (n, module.in_features))
+    return quantize_blocks(tensor, block_type)
+
+
 class GGUFLinear(QuantLinear):
     """One linear in a GGUF block type, fused shards concatenated by rows (a row's blocks are
     independent of every other row's, so fusion and the Q/K row permutation are byte moves).
@@ -165,18 +181,7 @@ class GGUFLinear(QuantLinear):
         return self._raw
 
     def _load_shard(self, name: str, tensor: torch.Tensor | GGUFBlocks, rows: slice, shard: int | None) -> None:
-        n = rows.stop - rows.start
-        if isinstance(tensor, GGUFBlocks):
-            if tensor.type != self.block_type or tensor.shape != (n, self.in_features):
-                raise LocalLLMError(
-                    f"GGUF tensor {gf.type_name(tensor.type)} {tensor.shape} does not fit a "
-                    f"{gf.type_name(self.block_type)} linear shard of {n}x{self.in_features}"
-                )
-            blocks = tensor.data
-        else:
-            self._check_shape(name, tensor, (n, self.in_features))
-            blocks = quantize_blocks(tensor, self.block_type)
-        self._raw_blocks()[rows].copy_(blocks)
+        self._raw_blocks()[rows].copy_(shard_blocks(self, name, tensor, rows))
 
     def set_weight(self, weight: torch.Tensor) -> None:
         self._raw_blocks().copy_(quantize_blocks(weight, self.block_type))

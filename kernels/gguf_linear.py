@@ -1,0 +1,645 @@
+"""GGUF blocks kept as stored on the GPU: y = x @ W.T with W's ggml blocks dequantized in
+registers, by a Triton GEMV (decode) and GEMM (prefill), beside their torch reference.
+
+Layout (``GGUFPacked``, made once at load by ``pack_gguf_blocks`` on the blocks' own device):
+a block's fields are split by kind into four row-major tensors, so a row's codes for a K
+tile are one contiguous run (a 256-wide K tile of Q4_K is 128 bytes per row) and the kernel
+reads them with wide loads, while the small per-block fields sit apart:
+
+- ``codes`` int32 [N, K * lo_bits / 32]: the low bits of every weight (the file's ``qs``/``ql``),
+  in straight order: weight ``k`` of the row is bits ``lo_bits * (k % per) ..`` of word
+  ``k // per`` (``per = 32 / lo_bits``). The file's own nibble order differs per type (Q4_K puts
+  weights i and i + 32 in one byte); ``pack_gguf_blocks`` undoes it once.
+- ``high`` int32 [N, K * hi_bits / 32]: the high bits (``qh``: 1 for Q5_*, 2 for Q6_K), straight
+  order too; zero columns for types without them.
+- ``scales`` uint8 [N, K / block_weights, nsc]: the block's packed scale bytes as the file has
+  them (Q4_K's 12 bytes of 6-bit scales and mins, Q6_K's 16 int8 scales, IQ4_XS's scales_h +
+  scales_l, MXFP4's E8M0 exponent); decoded in registers, so nothing is widened.
+- ``d`` fp16 [N, K / block_weights, nd]: the block's fp16 fields (d; d and m or dmin).
+
+Invariants: the four tensors hold exactly the file's bytes (bits per weight equal to the
+file's); ``dequantize_packed`` equals the ``gguf`` package's ``quants.dequantize`` of the raw
+blocks bit for bit, and so does the kernels' in-register decode (every product in these
+formulas is exact in fp32, so a fused multiply-add rounds as numpy's two operations do); the
+tensor-core path then rounds those weights once to fp16/bf16 when x is half precision.
+Which fields are codes, high bits, scales or fp16 comes from the traits table
+(``localllm.quant.gguf_formats``) by field name; only each type's nibble order is known here.
+The IQ4 / MXFP4 value tables come from the ``gguf`` package and reach the kernel as
+compile-time words (``lut_words``), not as a per-weight memory gather. Packing works on a few
+rows at a time, so its transient memory stays small beside a vocabulary-sized matrix.
+
+One kernel body (``_gguf_matmul_kernel``) serves every type: ``FORMAT`` (the GGML type id,
+a constexpr) selects the decode in ``_decode_tile``. Decode (M <= ``GEMV_MAX_M``) reduces with
+fp32 FMAs and no tensor-core tile (``USE_DOT=False``); it is laid out for a memory-bound
+GEMV: each program streams a [BLOCK_N rows x K / SPLIT_K] strip of blocks once, and split-K
+(the last program sums, ``split_k_sum``) spreads a layer over every SM. Larger M uses
+``tl.dot``: a 16-row split-K tile up to ``SMALL_M``, prefill tiles above. No speed has been
+measured on a GPU yet (bench/aot_check.py compiles every config for sm80/sm89/sm90).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from localllm.kernels._triton import (
+    Config,
+    capability,
+    configs_for,
+    dot_fp32,
+    gemm_backend_choice,
+    gpu_tiles,
+    grouped_tile,
+    m_bucket,
+    make_autotuner,
+    next_power_of_2,
+    split_k_range,
+    split_k_sum,
+    splitk_locks,
+    tl,
+    triton,
+    use_triton,
+)
+from localllm.quant import gguf_formats as gf
+
+# The types the kernels take. Per type, the file's code order: weights of one block come in
+# runs of ``run`` bytes, each byte's bit fields (lowest first) holding consecutive runs, as
+# ggml's dequantize_row_* reads them: (low-bits run, high-bits run).
+_RUNS: dict[str, tuple[int, int]] = {
+    "Q4_0": (16, 0),
+    "Q4_1": (16, 0),
+    "Q5_0": (16, 1),  # qh: bit i of the little-endian uint32 is weight i
+    "Q5_1": (16, 1),
+    "Q8_0": (32, 0),
+    "Q4_K": (32, 0),  # byte i of each 32-byte run: weights 64c + i (low) and 64c + 32 + i (high)
+    "Q5_K": (32, 32),  # qh: bit b of byte i is weight 32b + i
+    "Q6_K": (64, 32),  # qh: 2-bit field s of byte i in half h is weight 128h + 32s + i
+    "IQ4_NL": (16, 0),
+    "IQ4_XS": (16, 0),
+    "MXFP4": (16, 0),
+}
+FORMATS: frozenset[str] = frozenset(_RUNS)
+"""Traits-table names of the types the GPU kernels multiply as stored."""
+
+_CODE_FIELDS = ("qs", "ql")
+_HIGH_FIELDS = ("qh",)
+_FP16_FIELDS = ("d", "dmin", "m")
+_SCALE_FIELDS = ("scales", "scales_h", "scales_l", "e")
+# What a code means before its block's scale: an offset (ggml's "q - 8"), or an index into
+# the 16-value table of the IQ4 / MXFP4 types (taken from the gguf package at pack time).
+_OFFSET = {"Q4_0": -8, "Q5_0": -16, "Q6_K": -32}
+_LUT_TYPES = {"IQ4_NL": "IQ4_NL", "IQ4_XS": "IQ4_NL", "MXFP4": "MXFP4"}
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFLayout:
+    """How one type's block is split into the packed tensors (derived from the traits table)."""
+
+    name: str
+    type_id: int
+    block_weights: int
+    sub_block: int  # weights sharing one scale
+    lo_bits: int  # bits per weight in ``codes``
+    hi_bits: int  # bits per weight in ``high`` (0: none)
+    nd: int  # fp16 values per block in ``d``
+    nsc: int  # bytes per block in ``scales``
+
+    def row_bytes(self, k: int) -> int:
+        """Bytes the packed tensors hold per row of ``k`` weights (the file's row bytes)."""
+        nb = k // self.block_weights
+        return k * (self.lo_bits + self.hi_bits) // 8 + nb * (2 * self.nd + self.nsc)
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_layout(name: str) -> GGUFLayout:
+    """The packed layout of a type the kernels take; ValueError naming the type otherwise."""
+    f = gf.fmt(name)
+    if f.name not in FORMATS:
+        raise ValueError(f"GGUF type {f.name} has no GPU kernel (the kernels take {', '.join(sorted(FORMATS))})")
+    by_kind = {"lo": 0, "hi": 0, "fp16": 0, "scale": 0}
+    for field in f.fields:
+        kind = ("lo" if field.name in _CODE_FIELDS else "hi" if field.name in _HIGH_FIELDS
+                else "fp16" if field.name in _FP16_FIELDS else "scale" if field.name in _SCALE_FIELDS else None)
+        assert kind is not None, f"{f.name}: field {field.name} has no place in the GPU layout"
+        by_kind[kind] += field.nbytes
+    return GGUFLayout(f.name, f.type_id, f.block_weights, f.sub_block, by_kind["lo"] * 8 // f.block_weights,
+                      by_kind["hi"] * 8 // f.block_weights, by_kind["fp16"] // 2, by_kind["scale"])
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class GGUFPacked:
+    """One linear's GGUF blocks in the GPU layout (module docstring); all on one device."""
+
+    fmt: str  # traits-table name, e.g. "Q4_K"
+    out_features: int  # N
+    in_features: int  # K
+    codes: torch.Tensor  # int32 [N, K * lo_bits / 32]
+    high: torch.Tensor  # int32 [N, K * hi_bits / 32]
+    scales: torch.Tensor  # uint8 [N, K / block_weights, nsc]
+    d: torch.Tensor  # fp16 [N, K / block_weights, nd]
+    lut: torch.Tensor  # fp32 [16]: the IQ4 / MXFP4 code values (the torch reference's); [0] otherwise
+
+    @property
+    def layout(self) -> GGUFLayout:
+        return gpu_layout(self.fmt)
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    def nbytes(self) -> int:
+        """Bytes of the weight tensors (equal to the file's blocks; the 64-byte ``lut`` aside)."""
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.high, self.scales, self.d))
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors by field name (to register as buffers; ``from_tensors`` rebuilds)."""
+        return {"codes": self.codes, "high": self.high, "scales": self.scales, "d": self.d, "lut": self.lut}
+
+    @classmethod
+    def from_tensors(cls, fmt: str, out_features: int, in_features: int,
+                     tensors: dict[str, torch.Tensor]) -> GGUFPacked:
+        return cls(gf.fmt(fmt).name, out_features, in_features, tensors["codes"], tensors["high"],
+                   tensors["scales"], tensors["d"], tensors["lut"])
+
+
+# --- packing (torch ops, on the blocks' device) ------------------------------------------------
+
+
+def _file_codes(fields: torch.Tensor, bits: int, run: int) -> torch.Tensor:
+    """uint8 [R, nb, nbytes] of one code field -> uint8 [R, nb * weights] in weight order: the
+    field is runs of ``run`` bytes; each byte's ``8 / bits`` fields hold consecutive runs."""
+    r, nb, nbytes = fields.shape
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=fields.device).view(1, 1, 1, -1, 1)
+    return ((fields.reshape(r, nb, nbytes // run, 1, run) >> shifts) & ((1 << bits) - 1)).reshape(r, -1)
+
+
+def _pack_straight(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 [R, K] of ``bits``-bit values -> uint8 [R, K * bits / 8], weight k at bits
+    ``bits * (k % per)`` of byte ``k // per``; viewed as int32 (little-endian), word j holds
+    weights ``32 / bits * j ..`` from its lowest bits up."""
+    r, k = values.shape
+    per = 8 // bits
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=values.device)
+    return (values.view(r, k // per, per) << shifts).sum(-1, dtype=torch.uint8)  # disjoint bits: sum == or
+
+
+# Rows packed at a time: bounds the transient uint8 copies to ~16 M weights (a 128k-row
+# vocabulary matrix packs on a GPU without several times its size free).
+_PACK_WEIGHTS = 1 << 24
+
+
+def _unpack_straight(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of ``_pack_straight``: int32 [N, K * bits / 32] -> int32 [N, K]."""
+    n = words.shape[0]
+    shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=words.device)
+    return ((words.view(torch.uint8).to(torch.int32)[..., None] >> shifts) & ((1 << bits) - 1)).reshape(n, -1)
+
+
+def _table_values(name: str) -> tuple[int, ...]:
+    """The 16 code values of an IQ4 / MXFP4 type (the gguf package's tables); () otherwise."""
+    table = _LUT_TYPES.get(name)
+    if table is None:
+        return ()
+    from gguf import quants
+
+    return tuple(int(v) for v in getattr(quants, table).kvalues)
+
+
+def _lut(name: str, device: torch.device) -> torch.Tensor:
+    return torch.tensor(_table_values(name), dtype=torch.float32, device=device)
+
+
+@functools.lru_cache(maxsize=None)
+def lut_words(name: str) -> dict[str, int]:
+    """The kernel's LUT0..LUT3 constexprs: the type's 16 int8 code values, 4 to a signed int32
+    word (entry q in byte q % 4 of word q // 4); zeros for types without a table."""
+    values = _table_values(name) or (0,) * 16
+    words = {}
+    for i in range(4):
+        word = sum((values[4 * i + b] & 0xFF) << (8 * b) for b in range(4))
+        words[f"LUT{i}"] = word - (1 << 32) if word >= 1 << 31 else word
+    return words
+
+
+def pack_gguf_blocks(raw: torch.Tensor, fmt: str) -> GGUFPacked:
+    """uint8 [N, row_bytes], a linear's rows exactly as the file stores them, -> the GPU layout,
+    on ``raw``'s device (torch ops only; no host round trip on CUDA besides the 16-value table).
+    Raises ValueError for a type without a kernel or rows that are not whole blocks."""
+    layout = gpu_layout(fmt)
+    f = gf.fmt(layout.name)
+    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % f.block_bytes:
+        raise ValueError(f"{f.name} blocks must be uint8 [rows, whole blocks of {f.block_bytes} bytes], "
+                         f"not {raw.dtype} {list(raw.shape)}")
+    n, row_bytes = raw.shape
+    nb = row_bytes // f.block_bytes
+    k = nb * f.block_weights
+    dev = raw.device
+    codes = torch.empty((n, k * layout.lo_bits // 8), dtype=torch.uint8, device=dev)
+    high = torch.empty((n, k * layout.hi_bits // 8), dtype=torch.uint8, device=dev)
+    d = torch.empty((n, nb, 2 * layout.nd), dtype=torch.uint8, device=dev)
+    scales = torch.empty((n, nb, layout.nsc), dtype=torch.uint8, device=dev)
+    lo_run, hi_run = _RUNS[f.name]
+    step = max(1, _PACK_WEIGHTS // k)
+    for r0 in range(0, n, step):
+        blocks = raw[r0:r0 + step].reshape(-1, nb, f.block_bytes)
+        offset = d_at = s_at = 0
+        for field in f.fields:
+            part = blocks[:, :, offset:offset + field.nbytes]
+            offset += field.nbytes
+            if field.name in _CODE_FIELDS:
+                codes[r0:r0 + step] = _pack_straight(_file_codes(part, layout.lo_bits, lo_run), layout.lo_bits)
+            elif field.name in _HIGH_FIELDS:
+                high[r0:r0 + step] = _pack_straight(_file_codes(part, layout.hi_bits, hi_run), layout.hi_bits)
+            elif field.name in _FP16_FIELDS:
+                d[r0:r0 + step, :, d_at:d_at + field.nbytes] = part
+                d_at += field.nbytes
+            else:
+                scales[r0:r0 + step, :, s_at:s_at + field.nbytes] = part
+                s_at += field.nbytes
+    return GGUFPacked(f.name, n, k, _as(codes, torch.int32), _as(high, torch.int32), scales,
+                      _as(d, torch.float16), _lut(f.name, dev))
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A uint8 tensor's bytes as ``dtype`` (last dim shrinks); torch refuses the view when
+    that dim is empty, so an empty one is made instead."""
+    if t.shape[-1] == 0:
+        return torch.empty(t.shape, dtype=dtype, device=t.device)
+    return t.view(dtype)
+
+
+# --- the torch reference ------------------------------------------------------------------------
+
+
+def _sub_block_scales(p: GGUFPacked) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fp32 (scale, bias) [N, nb, sub-blocks per block]: weight = scale * value + bias, in
+    ggml's operation order (the scale a product of exact factors, one rounding in the add)."""
+    d = p.d.float()
+    s = p.scales.to(torch.int32)
+    name = p.fmt
+    if name in ("Q4_K", "Q5_K"):  # 6-bit scales and mins, 8 a block
+        a, b, c = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+        sc = torch.cat([a & 63, (c & 15) | ((a >> 6) << 4)], -1)
+        mn = torch.cat([b & 63, (c >> 4) | ((b >> 6) << 4)], -1)
+        return d[..., 0:1] * sc.float(), -(d[..., 1:2] * mn.float())
+    if name == "Q6_K":
+        return d[..., 0:1] * p.scales.view(torch.int8).float(), None
+    if name == "IQ4_XS":
+        j = torch.arange(8, device=s.device)
+        high = s[..., 0:1] | (s[..., 1:2] << 8)
+        sc = ((s[..., 2 + j // 2] >> (4 * (j % 2))) & 15) | (((high >> (2 * j)) & 3) << 4)
+        return d[..., 0:1] * (sc - 32).float(), None
+    if name == "MXFP4":  # ggml_e8m0_to_fp32_half
+        e = s[..., 0:1]
+        return torch.where(e < 2, 0x00200000 << e, (e - 1) << 23).view(torch.float32), None
+    return d[..., 0:1], (d[..., 1:2] if p.d.shape[-1] == 2 else None)  # Q4_0..Q8_0, IQ4_NL
+
+
+def _values(p: GGUFPacked) -> torch.Tensor:
+    """fp32 [N, K]: each weight's code as its block scale multiplies it."""
+    layout = p.layout
+    q = _unpack_straight(p.codes, layout.lo_bits)
+    if layout.hi_bits:
+        q = q | (_unpack_straight(p.high, layout.hi_bits) << layout.lo_bits)
+    if p.fmt == "Q8_0":
+        q = (q ^ 0x80) - 0x80  # the byte is int8
+    if p.lut.numel():
+        return p.lut[q]
+    return (q + _OFFSET.get(p.fmt, 0)).float()
+
+
+def dequantize_packed(p: GGUFPacked) -> torch.Tensor:
+    """fp32 [N, K]: the weights, equal to ``gguf.quants.dequantize`` of the file's blocks."""
+    layout = p.layout
+    n, k = p.out_features, p.in_features
+    scale, bias = _sub_block_scales(p)
+    v = _values(p).view(n, k // layout.sub_block, layout.sub_block)
+    w = scale.reshape(n, -1, 1) * v
+    if bias is not None:
+        w = w + bias.reshape(n, -1, 1)
+    return w.view(n, k)
+
+
+def dequantize_rows(p: GGUFPacked, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[len(ids), K] in ``dtype``: the rows ``ids`` (int64, on the weights' device) of the
+    weight, for an embedding lookup; torch ops only, no host sync (CUDA-graph safe)."""
+    sub = GGUFPacked(p.fmt, int(ids.numel()), p.in_features, p.codes[ids], p.high[ids], p.scales[ids], p.d[ids], p.lut)
+    return dequantize_packed(sub).to(dtype)
+
+
+def gguf_linear_reference(x: torch.Tensor, p: GGUFPacked) -> torch.Tensor:
+    """x [..., K] @ dequantize_packed(p).T -> [..., N] in x.dtype (fp32 products on the CPU and
+    for fp32 x; in x.dtype on CUDA, as a dense half-precision layer would)."""
+    w = dequantize_packed(p)
+    if x.dtype == torch.float32 or not x.is_cuda:
+        return (x.to(torch.float32) @ w.t()).to(x.dtype)
+    return x @ w.to(x.dtype).t()
+
+
+# --- Triton -------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _unpack_words(words, BITS: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, SIGNED: tl.constexpr):
+    """int32 [ROWS, COLS * BITS / 32] of straight-packed codes -> int32 [ROWS, COLS]."""
+    PER: tl.constexpr = 32 // BITS
+    shifts = tl.arange(0, PER) * BITS
+    if SIGNED:  # int8 codes: shift the byte to the top, then arithmetic shift back
+        v = (words[:, :, None] << (32 - BITS - shifts[None, None, :])) >> (32 - BITS)
+    else:
+        v = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
+    return tl.reshape(v, (ROWS, COLS))
+
+
+@triton.jit
+def _table(q, LUT0: tl.constexpr, LUT1: tl.constexpr, LUT2: tl.constexpr, LUT3: tl.constexpr):
+    """The int8 table entry q (0..15) as fp32: the 16 entries are compile-time words (4 a word,
+    ``lut_words``), picked by q >> 2 and shifted out, so no per-weight memory gather."""
+    word = tl.where(q < 8, tl.where(q < 4, LUT0, LUT1), tl.where(q < 12, LUT2, LUT3))
+    return ((word << (24 - 8 * (q & 3))) >> 24).to(tl.float32)
+
+
+@triton.jit
+def _decode_tile(
+    codes_ptr, high_ptr, scales_ptr, d_ptr, offs_n, n_ok, k0, K,
+    FORMAT: tl.constexpr, BW: tl.constexpr, SUB: tl.constexpr, LO_BITS: tl.constexpr, HI_BITS: tl.constexpr,
+    ND: tl.constexpr, NSC: tl.constexpr, LUT0: tl.constexpr, LUT1: tl.constexpr, LUT2: tl.constexpr,
+    LUT3: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    """fp32 [BLOCK_N, BLOCK_K]: rows offs_n, columns k0 .. k0 + BLOCK_K of the weight (zero
+    outside N x K). FORMAT is the GGML type id; the branches are resolved at compile time."""
+    rows = offs_n.to(tl.int64)[:, None]
+    # the codes: one contiguous run of BLOCK_K * LO_BITS / 8 bytes per row
+    LO_PER: tl.constexpr = 32 // LO_BITS
+    offs_w = k0 // LO_PER + tl.arange(0, BLOCK_K // LO_PER)
+    w_mask = n_ok[:, None]
+    if not EVEN_K:
+        w_mask = w_mask & (offs_w < K // LO_PER)[None, :]
+    words = tl.load(codes_ptr + rows * (K // LO_PER) + offs_w[None, :], mask=w_mask, other=0)
+    q = _unpack_words(words, LO_BITS, BLOCK_N, BLOCK_K, FORMAT == 8)
+    if HI_BITS > 0:
+        HI_PER: tl.constexpr = 32 // HI_BITS
+        offs_h = k0 // HI_PER + tl.arange(0, BLOCK_K // HI_PER)
+        h_mask = n_ok[:, None]
+        if not EVEN_K:
+            h_mask = h_mask & (offs_h < K // HI_PER)[None, :]
+        hw = tl.load(high_ptr + rows * (K // HI_PER) + offs_h[None, :], mask=h_mask, other=0)
+        q = q | (_unpack_words(hw, HI_BITS, BLOCK_N, BLOCK_K, False) << LO_BITS)
+
+    # the sub-blocks' scales: one per SUB weights, gathered from the per-block fields
+    NSUB: tl.constexpr = BLOCK_K // SUB
+    SPB: tl.constexpr = BW // SUB  # sub-blocks per block
+    sb = k0 // SUB + tl.arange(0, NSUB)
+    blk = (sb // SPB)[None, :]
+    j = (sb % SPB)[None, :]
+    s_mask = n_ok[:, None] & (sb < K // SUB)[None, :]
+    nb = K // BW
+    d_at = d_ptr + rows * (nb * ND) + blk * ND
+    s_at = scales_ptr + rows * (nb * NSC) + blk * NSC
+    if FORMAT == 12 or FORMAT == 13:  # Q4_K, Q5_K: 6-bit scale and min per 32, packed in 12 bytes
+        lo4 = j % 4
+        a = tl.load(s_at + lo4, mask=s_mask, other=0).to(tl.int32)
+        b = tl.load(s_at + 4 + lo4, mask=s_mask, other=0).to(tl.int32)
+        c = tl.load(s_at + 8 + lo4, mask=s_mask, other=0).to(tl.int32)
+        first = j < 4
+        sc = tl.where(first, a & 63, (c & 15) | ((a >> 6) << 4))
+        mn = tl.where(first, b & 63, (c >> 4) | ((b >> 6) << 4))
+        d = tl.load(d_at, mask=s_mask, other=0.0).to(tl.float32)
+        dmin = tl.load(d_at + 1, mask=s_mask, other=0.0).to(tl.float32)
+        scale = d * sc.to(tl.float32)
+        bias = -(dmin * mn.to(tl.float32))
+        v = q.to(tl.float32)
+        w = scale[:, :, None] * tl.reshape(v, (BLOCK_N, NSUB, SUB)) + bias[:, :, None]
+    elif FORMAT == 14:  # Q6_K: int8 scale per 16
+        sc = tl.load(s_at + j, mask=s_mask, other=0).to(tl.int32)
+        sc = (sc ^ 0x80) - 0x80
+        scale = tl.load(d_at, mask=s_mask, other=0.0).to(tl.float32) * sc.to(tl.float32)
+        w = scale[:, :, None] * tl.reshape((q - 32).to(tl.float32), (BLOCK_N, NSUB, SUB))
+    elif FORMAT == 23:  # IQ4_XS: 6-bit scale per 32 (low 4 bits in scales_l, high 2 in scales_h)
+        h = tl.load(s_at, mask=s_mask, other=0).to(tl.int32)
+        h = h | (tl.load(s_at + 1, mask=s_mask, other=0).to(tl.int32) << 8)
+        low = tl.load(s_at + 2 + j // 2, mask=s_mask, other=0).to(tl.int32)
+        sc = ((low >> (4 * (j % 2))) & 15) | (((h >> (2 * j)) & 3) << 4)
+        scale = tl.load(d_at, mask=s_mask, other=0.0).to(tl.float32) * (sc - 32).to(tl.float32)
+        w = scale[:, :, None] * tl.reshape(_table(q, LUT0, LUT1, LUT2, LUT3), (BLOCK_N, NSUB, SUB))
+    elif FORMAT == 39:  # MXFP4: E8M0 exponent, halved (ggml_e8m0_to_fp32_half)
+        e = tl.load(s_at, mask=s_mask, other=0).to(tl.int32)
+        tiny = tl.full((BLOCK_N, NSUB), 0x00200000, tl.int32)
+        scale = tl.where(e < 2, tiny << e, (e - 1) << 23).to(tl.float32, bitcast=True)
+        w = scale[:, :, None] * tl.reshape(_table(q, LUT0, LUT1, LUT2, LUT3), (BLOCK_N, NSUB, SUB))
+    else:  # one fp16 scale (and min) per 32: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL
+        scale = tl.load(d_at, mask=s_mask, other=0.0).to(tl.float32)
+        if FORMAT == 20:
+            v = _table(q, LUT0, LUT1, LUT2, LUT3)
+        elif FORMAT == 2:
+            v = (q - 8).to(tl.float32)
+        elif FORMAT == 6:
+            v = (q - 16).to(tl.float32)
+        else:
+            v = q.to(tl.float32)
+        w = scale[:, :, None] * tl.reshape(v, (BLOCK_N, NSUB, SUB))
+        if ND == 2:  # Q4_1, Q5_1: + m
+            w = w + tl.load(d_at + 1, mask=s_mask, other=0.0).to(tl.float32)[:, :, None]
+    return tl.reshape(w, (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def _gguf_matmul_kernel(
+    x_ptr, codes_ptr, high_ptr, scales_ptr, d_ptr, out_ptr, ws_ptr, locks_ptr,
+    M, N, K, stride_xm, stride_om,
+    M_BUCKET,  # only an autotune key
+    FORMAT: tl.constexpr, BW: tl.constexpr, SUB: tl.constexpr, LO_BITS: tl.constexpr, HI_BITS: tl.constexpr,
+    ND: tl.constexpr, NSC: tl.constexpr, LUT0: tl.constexpr, LUT1: tl.constexpr, LUT2: tl.constexpr,
+    LUT3: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    GROUP_M: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    pid_k = tl.program_id(1)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    kt_lo, kt_hi = split_k_range(K, pid_k, BLOCK_K, SPLIT_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kt in range(kt_lo, kt_hi):
+        k0 = kt * BLOCK_K
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        w = _decode_tile(codes_ptr, high_ptr, scales_ptr, d_ptr, offs_n, n_ok, k0, K, FORMAT, BW, SUB,
+                         LO_BITS, HI_BITS, ND, NSC, LUT0, LUT1, LUT2, LUT3, BLOCK_N, BLOCK_K, EVEN_K)
+        if USE_DOT:
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+            if DOT_FP32:
+                acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+            else:  # fp16 or bf16 tensor cores, the weights rounded once to x's type
+                acc = tl.dot(x, tl.trans(w.to(x_ptr.dtype.element_ty)), acc)
+        else:
+            # Decode: the tile is decoded once and used by each of the BLOCK_M (<= 4) rows.
+            for i in tl.static_range(BLOCK_M):
+                row = pid_m * BLOCK_M + i
+                xi = tl.load(x_ptr + row * stride_xm + offs_k, mask=k_ok & (row < M), other=0.0).to(tl.float32)
+                part = tl.sum(w * xi[None, :], axis=1)
+                acc += tl.where(tl.arange(0, BLOCK_M)[:, None] == i, part[None, :], 0.0)
+
+    offs_out = offs_m[:, None] * stride_om + offs_n[None, :]
+    out_mask = m_ok[:, None] & n_ok[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptr + offs_out, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        acc, last = split_k_sum(acc, ws_ptr, locks_ptr, pid_k, pid_m, pid_n, offs_m, offs_n, M, N, out_mask,
+                                BLOCK_N, SPLIT_K)
+        if last:
+            tl.store(out_ptr + offs_out, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+GEMV_MAX_M = 4  # decode without tensor cores up to this many rows
+SMALL_M = 16  # above GEMV_MAX_M and up to here: one 16-row dot tile, split-K
+MAX_SPLIT_K = 8
+
+# Decode reads each block once: a [BLOCK_N, BLOCK_K] tile is 64-128 contiguous bytes per row of
+# 4-bit codes; split-K gives a 4096-row layer several programs per SM.
+class _Capped(Config):
+    """A Config with an explicit register cap. Without one ptxas picks its own target for some
+    of these GEMVs (72 registers for Q5_0 on sm80) and spills a few bytes to reach it; a cap
+    of 128 moves the spills to Q5_K at 4 rows; 160 leaves every type and config without
+    spills on sm80/sm89/sm90 (bench/aot_check.py --only gguf --match gemv)."""
+
+    __slots__ = ("maxnreg",)
+
+    def __init__(self, kwargs: dict[str, int], num_warps: int, num_stages: int, maxnreg: int = 160) -> None:
+        super().__init__(kwargs, num_warps, num_stages)
+        self.maxnreg = maxnreg
+
+    def to_triton(self) -> Any:
+        return triton.Config(dict(self.kwargs), num_warps=self.num_warps, num_stages=self.num_stages,
+                             maxnreg=self.maxnreg)
+
+
+def launch_options(config: Config) -> dict[str, int]:
+    """num_warps, num_stages and (for a capped config) maxnreg: the compile options of a launch."""
+    opts = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    if isinstance(config, _Capped):
+        opts["maxnreg"] = config.maxnreg
+    return opts
+
+
+_GEMV_CONFIGS = [
+    _Capped({"BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 4, "GROUP_M": 1}, 4, 3),
+    _Capped({"BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 8, "GROUP_M": 1}, 4, 4),
+    _Capped({"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "GROUP_M": 1}, 8, 3),
+    _Capped({"BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 4, "GROUP_M": 1}, 8, 3),
+]
+# The dequantized fp32 tile sits in registers beside the accumulator: 8 warps for the wider
+# tiles keep them under 255 registers a thread without spilling (bench/aot_check.py).
+_SMALL_CONFIGS = [
+    Config({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 4, "GROUP_M": 1}, 4, 3),
+    Config({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "GROUP_M": 1}, 8, 3),
+    Config({"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 4, "GROUP_M": 1}, 8, 3),
+]
+_GEMM_CONFIGS = [
+    Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 1, "GROUP_M": 8}, 8, 3),
+    Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 1, "GROUP_M": 8}, 4, 3),
+    Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 1, "GROUP_M": 8}, 8, 3),
+    Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "SPLIT_K": 1, "GROUP_M": 8}, 8, 4),
+]
+# The interpreter's defaults: small tiles that still split K, span two K-quant sub-block
+# boundaries per tile and (K = 512) two blocks per row.
+_INTERPRET_GEMV = Config({"BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 2, "GROUP_M": 1}, 4, 1)
+_INTERPRET_GEMM = Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 1, "GROUP_M": 2}, 4, 1)
+
+_tuned: dict[tuple[str, bool], object] = {}
+
+
+def _path(m: int) -> str:
+    return "gemv" if m <= GEMV_MAX_M else "small" if m <= SMALL_M else "gemm"
+
+
+def _autotuned(x: torch.Tensor, path: str) -> object:
+    """One autotuner per path (decode GEMV, small-batch dot, prefill GEMM) and Hopper or not."""
+    key = (path, capability(x)[0] >= 9)
+    if key not in _tuned:
+        table = {"gemv": _GEMV_CONFIGS, "small": _SMALL_CONFIGS, "gemm": _GEMM_CONFIGS}[path]
+        _tuned[key] = make_autotuner(_gguf_matmul_kernel, configs_for(x, table),
+                                     key=["M_BUCKET", "N", "K", "FORMAT", "BLOCK_M" if path == "gemv" else "DOT_FP32"])
+    return _tuned[key]
+
+
+def gguf_linear_triton(x: torch.Tensor, p: GGUFPacked, *, config: Config | None = None) -> torch.Tensor:
+    """Triton implementation of ``gguf_linear_reference``. ``config`` pins the launch (tests; for
+    the GEMV path without BLOCK_M); without it a GPU autotunes once per shape bucket and the
+    interpreter uses small fixed tiles."""
+    layout = p.layout
+    k, n = p.in_features, p.out_features
+    assert x.shape[-1] == k, f"x has {x.shape[-1]} features, the {p.fmt} weight {k}"
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out.view(*x.shape[:-1], n)
+    path = _path(m)
+    consts: dict[str, int | bool] = dict(
+        FORMAT=layout.type_id, BW=layout.block_weights, SUB=layout.sub_block, LO_BITS=layout.lo_bits,
+        HI_BITS=layout.hi_bits, ND=layout.nd, NSC=layout.nsc, **lut_words(p.fmt), USE_DOT=path != "gemv",
+        DOT_FP32=dot_fp32(x),
+    )
+    if path == "gemv":
+        consts["BLOCK_M"] = next_power_of_2(m)
+    if config is None and not gpu_tiles(x):
+        config = _INTERPRET_GEMV if path == "gemv" else _INTERPRET_GEMM
+    max_split = config.kwargs["SPLIT_K"] if config is not None else (1 if path == "gemm" else MAX_SPLIT_K)
+    if max_split > 1:  # split-K scratch: fp32 partial tiles and per-tile arrival counters
+        ws = torch.empty((max_split * m * n,), dtype=torch.float32, device=x.device)
+        locks = splitk_locks(x.device, m * triton.cdiv(n, 16))
+    else:
+        ws = locks = out
+    # Types without high bits, fp16 fields or a table pass another tensor: never read.
+    high = p.high if p.high.numel() else p.codes
+    scales = p.scales if p.scales.numel() else p.codes
+    d = p.d if p.d.numel() else p.codes
+    args = (x2, p.codes, high, scales, d, out, ws, locks, m, n, k, x2.stride(0), out.stride(0), m_bucket(m))
+
+    def grid(meta: dict) -> tuple[int, int]:
+        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])
+
+    if config is not None:
+        kw = config.kwargs
+        assert kw["BLOCK_K"] % layout.sub_block == 0, f"BLOCK_K {kw['BLOCK_K']} splits a {p.fmt} sub-block"
+        _gguf_matmul_kernel[grid](*args, **consts, **kw, EVEN_K=k % kw["BLOCK_K"] == 0, **launch_options(config))
+    else:
+        _autotuned(x, path)[grid](*args, **consts)  # type: ignore[index]
+    return out.view(*x.shape[:-1], n)
+
+
+# The torch candidate dequantizes the whole matrix for each call. A decode-size batch reads
+# the blocks once either way, so it never pays there; and on a vocabulary-sized head (an 8B's
+# 128k x 4096) its temporary would be ~6 GB that the planner does not reserve (it reserves
+# the largest decoder matrix's, see hardware/planner.py _reserve), so above that size the
+# kernel runs without a timing.
+TORCH_CANDIDATE_MIN_ROWS = 16
+TORCH_CANDIDATE_MAX_WEIGHTS = 64 * 2**20
+
+
+def gguf_linear(x: torch.Tensor, p: GGUFPacked) -> torch.Tensor:
+    """y = x @ W.T for W in GGUF blocks; x: [..., K] fp16/bf16/fp32 -> [..., N] in x.dtype.
+
+    On CUDA (and in a rehearsal) the Triton kernel runs where it measured faster than
+    dequantize-then-matmul for this shape (once, on first use); elsewhere the torch reference.
+    """
+    if use_triton(x):
+        k, n = p.in_features, p.out_features
+        m = x.numel() // k if k else 0
+        if m <= TORCH_CANDIDATE_MIN_ROWS or n * k > TORCH_CANDIDATE_MAX_WEIGHTS:
+            return gguf_linear_triton(x, p)
+        key = ("gguf", p.fmt, m_bucket(m), n, k, x.dtype, x.device.index)
+        choice = gemm_backend_choice(
+            key, {"triton": lambda: gguf_linear_triton(x, p), "torch": lambda: gguf_linear_reference(x, p)}
+        )
+        if choice == "triton":
+            return gguf_linear_triton(x, p)
+    return gguf_linear_reference(x, p)

@@ -1,0 +1,209 @@
+"""The GPU GGUF kernels (kernels/gguf_linear.py) under the Triton interpreter: for every type
+they take, the packed layout holds the file's bytes, its torch dequantization is the ``gguf``
+package's own bit for bit, and the one kernel body (decode GEMV without tensor-core tiles,
+small-batch and prefill ``tl.dot``) multiplies by exactly those weights: x @ W.T within fp32
+rounding at M = 1, 3 (GEMV), 16 (split-K dot) and 17 (prefill GEMM).
+
+Blocks: the gguf package's quantizer where it has one; for the K-quants and IQ4 the
+llama.cpp-written fixture rows (tests/fixtures/gguf_blocks.gguf), plus as many rows whose
+code and scale bytes are random (every bit pattern is a valid block) under the fixture's own
+fp16 fields, so every 6-bit scale/min packing and negative Q6_K scale is decoded."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from localllm.kernels.gguf_linear import (
+    FORMATS,
+    dequantize_packed,
+    dequantize_rows,
+    gguf_linear,
+    gguf_linear_reference,
+    gguf_linear_triton,
+    gpu_layout,
+    pack_gguf_blocks,
+)
+from localllm.quant import gguf_formats as gf
+from tests.models.gguf_files import llama_cpp_blocks
+
+pytestmark = pytest.mark.interpreter
+QUANTIZER = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4"}  # gguf.quants.quantize exists for these
+# Q4_K_M files mix the first four.
+ORDER = ["Q4_K", "Q6_K", "Q5_0", "Q8_0", "Q5_K", "Q4_0", "Q4_1", "Q5_1", "IQ4_NL", "IQ4_XS", "MXFP4"]
+
+
+def test_the_order_covers_every_type_the_kernels_take() -> None:
+    assert set(ORDER) == FORMATS
+
+
+def file_blocks(name: str, rows: int = 32, k: int = 512, seed: int = 0) -> torch.Tensor:
+    """uint8 [rows, row bytes]: ``rows`` x ``k`` weights of type ``name`` as a file stores them."""
+    gen = np.random.default_rng(seed)
+    if name in QUANTIZER:
+        from gguf import GGMLQuantizationType, quants
+
+        w = (gen.standard_normal((rows, k)) * 0.05).astype(np.float32)
+        w[:, :5] *= 8  # outlier columns: blocks with very different scales
+        return torch.from_numpy(np.ascontiguousarray(quants.quantize(w, GGMLQuantizationType[name])).reshape(rows, -1))
+    half = llama_cpp_blocks(name, rows // 2, k)
+    f = gf.fmt(name)
+    noisy = half.reshape(rows // 2, -1, f.block_bytes).copy()
+    offset = 0
+    for field in f.fields:  # random codes and scale bytes, the fixture's fp16 d / dmin kept
+        if field.name not in ("d", "dmin"):
+            part = noisy[:, :, offset:offset + field.nbytes]
+            part[...] = gen.integers(0, 256, part.shape)
+        offset += field.nbytes
+    return torch.from_numpy(np.concatenate([half, noisy.reshape(rows // 2, -1)]))
+
+
+def gguf_weights(blocks: torch.Tensor, name: str) -> torch.Tensor:
+    from gguf import GGMLQuantizationType, quants
+
+    return torch.from_numpy(np.ascontiguousarray(quants.dequantize(blocks.numpy(), GGMLQuantizationType[name])))
+
+
+def assert_product(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, tol: float) -> None:
+    """y ~= x @ w.T, each entry within ``tol`` of the sum of its terms' magnitudes."""
+    ref = x.double() @ w.double().T
+    scale = (x.double().abs() @ w.double().abs().T).clamp_min(1e-6)
+    assert y.shape == ref.shape and y.dtype == x.dtype
+    assert ((y.double() - ref).abs() / scale).max() < tol
+
+
+@pytest.mark.parametrize("name", ORDER)
+def test_the_layout_is_the_files_bytes_and_dequantizes_as_gguf(name: str) -> None:
+    blocks = file_blocks(name)
+    p = pack_gguf_blocks(blocks, name)
+    assert (p.out_features, p.in_features) == (32, 512)
+    assert p.nbytes() == blocks.numel() == 32 * gpu_layout(name).row_bytes(512) == 32 * gf.fmt(name).row_bytes(512)
+    exact = gguf_weights(blocks, name)
+    assert torch.equal(dequantize_packed(p).view(torch.int32), exact.view(torch.int32))  # signed zeros too
+    ids = torch.tensor([31, 0, 17, 17])
+    assert torch.equal(dequantize_rows(p, ids), exact[ids])
+    assert dequantize_rows(p, ids, torch.float16).dtype == torch.float16
+
+
+@pytest.mark.parametrize("name", ORDER)
+def test_the_kernel_multiplies_by_the_files_weights(name: str) -> None:
+    """fp32 activations: decode GEMV at M = 1 and 3, the 16-row split-K dot, the prefill GEMM."""
+    blocks = file_blocks(name, seed=1)
+    p = pack_gguf_blocks(blocks, name)
+    w = gguf_weights(blocks, name)
+    for m in (1, 3, 16, 17):
+        x = torch.randn(m, 512)
+        assert_product(gguf_linear_triton(x, p), x, w, 2e-6)
+    # a row's result does not depend on which path or batch it ran in, beyond fp32 sums
+    x = torch.randn(17, 512)
+    torch.testing.assert_close(gguf_linear_triton(x[:1], p)[0], gguf_linear_triton(x, p)[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0"])
+def test_half_activations(name: str) -> None:
+    """fp16 x: the GEMV multiplies in fp32, the dot in fp16 with the weights rounded once."""
+    blocks = file_blocks(name, seed=2)
+    p = pack_gguf_blocks(blocks, name)
+    w = gguf_weights(blocks, name)
+    for m in (1, 17):
+        x = torch.randn(m, 512).half()
+        assert_product(gguf_linear_triton(x, p), x, w, 2e-3)
+
+
+@pytest.mark.parametrize("name", ["Q5_0", "Q4_1"])
+def test_ragged_shapes(name: str) -> None:
+    """K not a multiple of the K tile (three 32-weight blocks) and N not a multiple of the N
+    tile: the masked tails read nothing outside the weight. Also 3-D x."""
+    blocks = file_blocks(name, rows=40, k=96, seed=3)
+    p = pack_gguf_blocks(blocks, name)
+    w = gguf_weights(blocks, name)
+    for m in (1, 17):
+        x = torch.randn(m, 96)
+        assert_product(gguf_linear_triton(x, p), x, w, 2e-6)
+    x3 = torch.randn(2, 3, 96)
+    assert gguf_linear_triton(x3, p).shape == (2, 3, 40)
+    torch.testing.assert_close(gguf_linear_triton(x3, p).reshape(6, 40), gguf_linear_reference(x3.reshape(6, 96), p))
+
+
+def test_the_dispatcher_runs_the_reference_off_gpu() -> None:
+    blocks = file_blocks("Q4_K", seed=4)
+    p = pack_gguf_blocks(blocks, "Q4_K")
+    x = torch.randn(3, 512)
+    assert_product(gguf_linear(x, p), x, gguf_weights(blocks, "Q4_K"), 2e-6)
+
+
+def test_a_type_without_a_kernel_and_partial_blocks_are_refused() -> None:
+    with pytest.raises(ValueError, match="Q3_K has no GPU kernel"):
+        pack_gguf_blocks(torch.zeros(4, 110, dtype=torch.uint8), "Q3_K")
+    with pytest.raises(ValueError, match="whole blocks of 144 bytes"):
+        pack_gguf_blocks(torch.zeros(4, 150, dtype=torch.uint8), "Q4_K")
+
+
+def test_packing_in_row_chunks_is_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A large matrix packs a few rows at a time (bounded transient memory): same tensors."""
+    import importlib
+
+    module = importlib.import_module("localllm.kernels.gguf_linear")  # the package re-exports a function of that name
+    for name in ("Q6_K", "Q5_0"):
+        blocks = file_blocks(name, seed=5)
+        whole = pack_gguf_blocks(blocks, name)
+        monkeypatch.setattr(module, "_PACK_WEIGHTS", 5 * 512 + 7)  # 5 rows a chunk, a ragged last chunk
+        chunked = pack_gguf_blocks(blocks, name)
+        monkeypatch.undo()
+        for field, t in whole.tensors().items():
+            assert torch.equal(t, chunked.tensors()[field]), (name, field)
+
+
+GEMMA = Path(os.environ.get("LOCALLLM_GEMMA_Q4_K_M", "~/.cache/localllm-fixtures/gemma-3-270m-q4_k_m.gguf")).expanduser()
+
+
+@pytest.mark.skipif(not GEMMA.is_file(), reason=f"the Gemma 3 270M Q4_K_M fixture is not at {GEMMA}")
+def test_the_real_q4_k_m_files_tensors() -> None:
+    """One tensor of each type of a real Q4_K_M file (Q4_K, Q6_K, Q5_0, Q8_0): the first 512
+    weights (whole blocks) of its first 32 rows, through the GEMV and the GEMM."""
+    from localllm.models.gguf_file import read_gguf
+
+    seen: set[str] = set()
+    for t in read_gguf(GEMMA)[1].values():
+        name = t.tensor_type.name
+        if name in seen or name not in FORMATS or t.name == "token_embd.weight":
+            continue
+        seen.add(name)
+        blocks = torch.from_numpy(np.array(t.data[:32, :gf.fmt(name).row_bytes(512)]))
+        p = pack_gguf_blocks(blocks, name)
+        w = gguf_weights(blocks, name)
+        assert torch.equal(dequantize_packed(p).view(torch.int32), w.view(torch.int32)), name
+        for m in (1, 17):
+            x = torch.randn(m, p.in_features)
+            assert_product(gguf_linear_triton(x, p), x, w, 2e-6)
+    assert {"Q4_K", "Q6_K", "Q5_0", "Q8_0"} <= seen
+
+
+def test_the_real_compiler_takes_the_kernel(tmp_path: Path) -> None:
+    """The interpreter runs Python, not PTX: Triton's own compiler and bundled ptxas (no GPU
+    needed) must take the decode GEMV (1 and 4 rows, split-K) and the prefill GEMM for sm90
+    without spills, the split-K stores ordered before the arrival atomic. bench/aot_check.py
+    --only gguf checks every config, type and architecture."""
+    import json
+    import subprocess
+    import sys
+
+    triton = pytest.importorskip("triton")
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").is_file():
+        pytest.skip("Triton without its bundled ptxas")
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "LOCALLLM_TRITON_ON_CPU")}
+    proc = subprocess.run(
+        [sys.executable, str(root / "bench" / "aot_check.py"), "--arch", "90", "--only", "gguf",
+         "--match", "gguf Q4_K fp16 gemv[0],gguf Q4_K fp16 gemm[0]", "--json", str(tmp_path / "r.json")],
+        cwd=root, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "r.json").read_text())
+    assert len(rows) == 3  # GEMV at 1 and 4 rows, GEMM
+    assert all(r.get("spill_store_bytes", 0) == 0 and "error" not in r for r in rows)
+    assert [r["splitk_order"] for r in rows if "gemv" in r["case"]] == ["ok", "ok"]

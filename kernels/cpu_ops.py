@@ -438,7 +438,8 @@ def _register_fakes() -> None:
     """Shapes for torch.compile, which traces through these ops without running them."""
 
     @torch.library.register_fake("localllm_cpu::paged_attention")
-    def _(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, max_q, max_splits=0, window=0):  # type: ignore[no-untyped-def]
+    def _(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, max_q, max_splits=0, window=0,  # type: ignore[no-untyped-def]
+          sinks=None):
         return torch.empty_like(q)
 
     if hasattr(torch.ops.localllm_cpu, "gguf_linear"):  # built on x86-64-v3 only

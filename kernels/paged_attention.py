@@ -42,6 +42,7 @@ from localllm.kernels._triton import (
     use_triton,
 )
 from localllm.kernels import cpu_ops
+from localllm.kernels.opaque_op import opaque_op
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 ScaleArg = float | torch.Tensor | None
@@ -123,7 +124,7 @@ def _visible(q_pos: torch.Tensor, first: int, kv_len: int, sliding_window: int |
 CPU_INPLACE_MAX_Q = 16
 
 
-@torch.library.custom_op("localllm::paged_attention_cpu", mutates_args=())
+@opaque_op("localllm::paged_attention_cpu")
 def paged_attention_cpu(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -212,7 +213,7 @@ def paged_attention_ref(
     return out
 
 
-@torch.library.custom_op("localllm::paged_attention_windowed_ref", mutates_args=())
+@opaque_op("localllm::paged_attention_windowed_ref")
 def paged_attention_windowed_ref(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -232,6 +233,58 @@ def paged_attention_windowed_ref(
 
 @paged_attention_windowed_ref.register_fake
 def _(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, num_decodes, sliding_window):  # type: ignore[no-untyped-def]
+    return torch.empty_like(q)
+
+
+@opaque_op("localllm::paged_attention_sinks_ref")
+def paged_attention_sinks_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor,
+    sliding_window: int,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> torch.Tensor:
+    """Attention with a learned sink per head (gpt-oss): each query's softmax also spans one
+    extra logit, its head's ``sinks[h]``, whose value row is zero, so the weights sum to less
+    than one and a head may attend to nothing. Per sequence: softmax over [q.k * scale for
+    the visible keys, sink] in fp32, the sink's column dropped, times V. ``sliding_window``
+    0: none. The torch form of what the C++ and Triton kernels compute with ``sinks``; one
+    opaque op, so a compiled CPU decode step keeps its graph where it runs."""
+    out = torch.empty_like(q)
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    block_size = k_cache.shape[1]
+    heads, kv_heads = q.shape[1], k_cache.shape[2]
+    window = sliding_window or None
+    sink = sinks.float().view(heads, 1, 1)
+    for b, kv_len in enumerate(lens):
+        qs, qe = starts[b], starts[b + 1]
+        n = qe - qs
+        if n == 0:
+            continue
+        ctx = kv_len - n  # the first query's position
+        first = max(0, ctx - sliding_window + 1) // block_size * block_size if window else 0
+        blocks = block_tables[b, first // block_size : -(-kv_len // block_size)]
+        k = _dequant(_gather_blocks(k_cache, blocks)[: kv_len - first], k_scale, torch.float32).float()
+        v = _dequant(_gather_blocks(v_cache, blocks)[: kv_len - first], v_scale, torch.float32).float()
+        group = heads // kv_heads
+        k = k.transpose(0, 1).repeat_interleave(group, dim=0)  # [H, L, D]
+        v = v.transpose(0, 1).repeat_interleave(group, dim=0)
+        scores = q[qs:qe].float().transpose(0, 1) @ k.transpose(1, 2) * scale  # [H, n, L]
+        visible = _visible(ctx + torch.arange(n, device=q.device), first, kv_len, window)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(torch.cat((scores, sink.expand(heads, n, 1)), dim=-1), dim=-1)[..., :-1]
+        out[qs:qe] = (probs @ v).transpose(0, 1).to(q.dtype)
+    return out
+
+
+@paged_attention_sinks_ref.register_fake
+def _(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, sinks, sliding_window, k_scale, v_scale):  # type: ignore[no-untyped-def]
     return torch.empty_like(q)
 
 
@@ -273,6 +326,7 @@ def _paged_attention_kernel(
     part_lse_ptr,
     k_scale_ptr,
     v_scale_ptr,
+    sinks_ptr,
     qk_scale,
     num_seqs,
     window,
@@ -298,6 +352,7 @@ def _paged_attention_kernel(
     IS_DECODE: tl.constexpr,
     FP8_KV: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -401,6 +456,12 @@ def _paged_attention_kernel(
         m_i = m_new
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    if HAS_SINKS and NUM_SPLITS == 1:
+        # the head's sink joins the denominator (in log2 units, as the scores); with splits
+        # the reduction adds it once, over the merged sum
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        l_safe = l_i + tl.math.exp2(sink - tl.where(m_i == float("-inf"), sink, m_i))
+        l_safe = tl.where(l_safe == 0.0, 1.0, l_safe)
     o = acc / l_safe[:, None]
     if FP8_KV:
         o = o * tl.load(v_scale_ptr)
@@ -425,12 +486,14 @@ def _reduce_splits_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
+    sinks_ptr,
     stride_ot,
     stride_oh,
     num_heads,
     HEAD_D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     tok = tl.program_id(0)
     head = tl.program_id(1)
@@ -446,7 +509,10 @@ def _reduce_splits_kernel(
         mask=d_ok[None, :],
         other=0.0,
     )
-    o = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    total = tl.sum(w, 0)
+    if HAS_SINKS:  # the sink joins the denominator once, over every split's keys
+        total += tl.math.exp2(tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634 - m)
+    o = tl.sum(o * w[:, None], 0) / total
     tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
@@ -511,8 +577,10 @@ def paged_attention_triton(
     block_m: int | None = None,
     tile_n: int | None = None,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Triton implementation; same contract as ``paged_attention_ref``.
+    """Triton implementation; same contract as ``paged_attention_ref``; ``sinks`` [H]: one
+    logit per query head that joins each softmax's denominator (``paged_attention_sinks_ref``).
 
     Keyword-only knobs (tests and benchmarks): ``num_splits`` forces the decode split-K factor
     (1 = no split), ``block_m``/``tile_n`` override the tile sizes, ``max_seq_len`` is an
@@ -543,14 +611,16 @@ def paged_attention_triton(
         KV_BLOCK_SIZE=kv_block_size,
         FP8_KV=fp8,
         DOT_FP32=fp32,
+        HAS_SINKS=sinks is not None,
     )
+    sinks_t = q if sinks is None else sinks.float().contiguous()  # never read without sinks
 
     def launch(grid: tuple[int, int, int], seqs: slice, part_out: torch.Tensor, part_lse: torch.Tensor,
                bm: int, bq: int, tn: int, warps: int, stages: int, splits: int, decode: bool) -> None:
         _paged_attention_kernel[grid](
             out, q, k_cache, v_cache,
             block_tables[seqs], seq_lens[seqs], query_start_loc[seqs.start:],
-            part_out, part_lse, k_scale_t, v_scale_t,
+            part_out, part_lse, k_scale_t, v_scale_t, sinks_t,
             scale * _LOG2E, seqs.stop - seqs.start, sliding_window or 0,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -576,8 +646,8 @@ def paged_attention_triton(
             launch((num_decodes, num_kv_heads, splits), slice(0, num_decodes), part_out, part_lse,
                    bm, 1, tn, warps, stages, splits, True)  # fmt: skip
             _reduce_splits_kernel[(num_decodes, num_heads)](
-                out, part_out, part_lse, out.stride(0), out.stride(1), num_heads,
-                HEAD_D=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, num_warps=4,
+                out, part_out, part_lse, sinks_t, out.stride(0), out.stride(1), num_heads,
+                HEAD_D=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, HAS_SINKS=sinks is not None, num_warps=4,
             )  # fmt: skip
 
     if num_decodes < num_seqs:
@@ -606,25 +676,37 @@ def paged_attention(
     v_scale: ScaleArg = None,
     batch_invariant: bool = False,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``batch_invariant`` (CPU): every row's numbers depend on its own sequence only. Every
     prompt chunk takes the in-place C++ kernel (longer ones otherwise take SDPA, whose rows change
     with the chunk's length) with its keys in one slice (otherwise the slices follow the batch's
-    size and longest context). ``sliding_window``: see the module docstring."""
+    size and longest context). ``sliding_window``: see the module docstring. ``sinks`` [H]:
+    gpt-oss's per-head sink logit (``paged_attention_sinks_ref``), which every path takes."""
     if use_triton(q):
         return paged_attention_triton(
             q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, num_decodes,
-            k_scale, v_scale, sliding_window=sliding_window,
+            k_scale, v_scale, sliding_window=sliding_window, sinks=sinks,
         )  # fmt: skip
     if cpu_ops.usable(q, k_cache):
         splits = 1 if batch_invariant else 0
         window = sliding_window or 0
-        if num_decodes == q.shape[0]:  # all one-token rows: the C++ kernel alone, no Python around it
+        decodes = num_decodes == q.shape[0]
+        if decodes or sinks is not None:
+            # all one-token rows: the C++ kernel alone, no Python around it; with sinks every
+            # row, prefills too (SDPA has no sink): max_q is then the whole batch (a constant 1
+            # for decodes, so a compiled decode step does not specialise on the batch size)
             return torch.ops.localllm_cpu.paged_attention(
-                q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, 1, splits, window
-            )
+                q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
+                1 if decodes else q.shape[0], splits, window, sinks,
+            )  # fmt: skip
         return paged_attention_cpu(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
                                    q.shape[0] if batch_invariant else CPU_INPLACE_MAX_Q, splits, window)
+    if sinks is not None:
+        return paged_attention_sinks_ref(
+            q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, sinks, sliding_window or 0,
+            *(None if x is None or k_cache.dtype not in FP8_DTYPES else scale_tensor(x, q.device) for x in (k_scale, v_scale)),
+        )  # fmt: skip
     if sliding_window and k_cache.dtype == torch.float32 and q.dtype == torch.float32:
         # no C++ kernels here: one opaque op still, so a compiled decode step keeps its graph
         return paged_attention_windowed_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,

@@ -4,6 +4,11 @@ The Triton kernel runs one program per token: it reads the token's cos/sin row o
 all query heads and all KV heads, and writes k and v straight to their cache slot, so the
 rotated k never makes a round trip through memory. Any rope scaling (llama3, linear, ...) is
 already baked into ``cos_sin_cache`` by the model.
+
+``cos_sin_cache`` is [max_pos, rotary_dim]: cos in its first half, sin in its second. A table
+narrower than the head (partial rotary: Phi-4-mini rotates 96 of 128 dims) rotates the first
+rotary_dim dims of each head, pairing dim i with i + rotary_dim / 2 as transformers does, and
+passes the rest through unchanged.
 """
 
 from __future__ import annotations
@@ -26,11 +31,12 @@ ScaleArg = float | torch.Tensor | None
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim] in HF (rotate-half) layout; cos, sin: [T, 1, head_dim / 2].
-    Computes in fp32 and returns x's dtype."""
+    """x: [T, heads, head_dim] in HF (rotate-half) layout; cos, sin: [T, 1, rotary_dim / 2].
+    Computes in fp32 and returns x's dtype; dims past rotary_dim pass through."""
     xf = x.float()
-    x1, x2 = xf.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    half = cos.shape[-1]
+    x1, x2, rest = xf[..., :half], xf[..., half : 2 * half], xf[..., 2 * half :]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1).to(x.dtype)
 
 
 def rotary(
@@ -102,8 +108,11 @@ def _rotate_heads(
     BLOCK_HALF: tl.constexpr,
     TO_FP8: tl.constexpr,
     EXACT_FP8_ROUND: tl.constexpr,
+    PASS: tl.constexpr,
+    BLOCK_PASS: tl.constexpr,
 ):
-    """Rotate-half RoPE of NUM_HEADS heads of one token, [BLOCK_H, BLOCK_HALF] per half."""
+    """Rotate-half RoPE of NUM_HEADS heads of one token, [BLOCK_H, BLOCK_HALF] per half; the
+    PASS dims after the rotated 2 * HALF are copied (partial rotary)."""
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_HALF)
     mask = (h[:, None] < NUM_HEADS) & (d[None, :] < HALF)
@@ -121,6 +130,17 @@ def _rotate_heads(
     dst = dst_ptr + h[:, None] * stride_dst_h + d[None, :]
     tl.store(dst, o1.to(dst_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + HALF, o2.to(dst_ptr.dtype.element_ty), mask=mask)
+    if PASS > 0:
+        p = tl.arange(0, BLOCK_PASS)
+        pmask = (h[:, None] < NUM_HEADS) & (p[None, :] < PASS)
+        x = tl.load(src_ptr + h[:, None] * stride_src_h + 2 * HALF + p[None, :], mask=pmask, other=0.0)
+        x = x.to(tl.float32)
+        if TO_FP8:
+            x = tl.clamp(x / dst_scale, -448.0, 448.0)
+            if EXACT_FP8_ROUND:
+                x = round_to_e4m3_grid(x)
+        tl.store(dst_ptr + h[:, None] * stride_dst_h + 2 * HALF + p[None, :], x.to(dst_ptr.dtype.element_ty),
+                 mask=pmask)
 
 
 @triton.jit
@@ -159,6 +179,8 @@ def _rotary_and_store_kv_kernel(
     BLOCK_D: tl.constexpr,
     FP8_KV: tl.constexpr,
     EXACT_FP8_ROUND: tl.constexpr,
+    PASS: tl.constexpr,
+    BLOCK_PASS: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + t).to(tl.int64)
@@ -168,7 +190,7 @@ def _rotary_and_store_kv_kernel(
     sin = tl.load(cs_row + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
 
     _rotate_heads(q_ptr + t * stride_qt, q_out_ptr + t * stride_qot, stride_qh, stride_qoh,
-                  cos, sin, 1.0, NUM_HEADS, BLOCK_H, HALF, BLOCK_HALF, False, False)  # fmt: skip
+                  cos, sin, 1.0, NUM_HEADS, BLOCK_H, HALF, BLOCK_HALF, False, False, PASS, BLOCK_PASS)  # fmt: skip
 
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
     if slot >= 0:
@@ -182,7 +204,7 @@ def _rotary_and_store_kv_kernel(
             v_scale = tl.load(v_scale_ptr)
         _rotate_heads(k_ptr + t * stride_kt, k_cache_ptr + cache_off, stride_kh, stride_ch,
                       cos, sin, k_scale, NUM_KV_HEADS, BLOCK_KVH, HALF, BLOCK_HALF, FP8_KV,
-                      EXACT_FP8_ROUND)  # fmt: skip
+                      EXACT_FP8_ROUND, PASS, BLOCK_PASS)  # fmt: skip
         h = tl.arange(0, BLOCK_KVH)
         dd = tl.arange(0, BLOCK_D)
         mask = (h[:, None] < NUM_KV_HEADS) & (dd[None, :] < HEAD_D)
@@ -219,8 +241,8 @@ def rotary_and_store_kv_triton(
     assert k_cache.stride(-1) == 1 and cos_sin_cache.stride(-1) == 1
     assert k_cache.stride() == v_cache.stride()
     num_kv_heads = k.shape[1]
-    assert head_dim % 2 == 0
-    half = head_dim // 2
+    half = cos_sin_cache.shape[1] // 2  # the rotary dims; partial rotary passes the rest
+    assert cos_sin_cache.shape[1] % 2 == 0 and 2 * half <= head_dim
     fp8 = k_cache.dtype in FP8_DTYPES
     fp8 = fp8 and k_cache.dtype == torch.float8_e4m3fn  # the clamp in the kernel is e4m3's range
     assert k_cache.dtype not in FP8_DTYPES or fp8, "FP8 KV cache must be e4m3"
@@ -241,6 +263,8 @@ def rotary_and_store_kv_triton(
         BLOCK_D=next_power_of_2(head_dim),
         FP8_KV=fp8,
         EXACT_FP8_ROUND=INTERPRET,
+        PASS=head_dim - 2 * half,
+        BLOCK_PASS=next_power_of_2(max(head_dim - 2 * half, 1)),
         num_warps=4 if num_heads * head_dim <= 4096 else 8,
     )  # fmt: skip
     return q_out

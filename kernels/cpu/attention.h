@@ -6,7 +6,9 @@
 // [num_blocks, block_size, KVH, D] fp32, contiguous; query_start_loc [B + 1], seq_lens [B]
 // and block_tables [B, W] int32. Query j of sequence b sits at position
 // seq_lens[b] - q_len[b] + j and attends to keys 0..that position (with a window W > 0, to
-// the last W of them: that position - W + 1 .. that position).
+// the last W of them: that position - W + 1 .. that position). With sinks, head h's softmax
+// also spans the logit sinks[h], whose value row is zero (paged_attention_sinks_ref in
+// kernels/paged_attention.py).
 #pragma once
 
 #include <cstdint>
@@ -35,6 +37,9 @@ struct PagedAttention {
   float scale;
   int64_t max_q, max_splits;
   int64_t window;  // 0: none
+  // [H] one learned logit per query head that joins every softmax's denominator (its value
+  // row is zero: gpt-oss's attention sinks); nullptr: none
+  const float* sinks = nullptr;
 };
 
 // Attention for every sequence whose query length is at most max_q, into out (zeroed by the

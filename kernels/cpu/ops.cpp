@@ -42,7 +42,7 @@ void store_kv_op(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, a
 at::Tensor paged_attention_op(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                               const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                               const at::Tensor& block_tables, double scale, int64_t max_q, int64_t max_splits,
-                              int64_t window) {
+                              int64_t window, const std::optional<at::Tensor>& sinks) {
   check_cache(k_cache, "k_cache");
   check_cache(v_cache, "v_cache");
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "q must be fp32 [T, H, D]");
@@ -54,11 +54,17 @@ at::Tensor paged_attention_op(const at::Tensor& q, const at::Tensor& k_cache, co
   const auto qsl = query_start_loc.to(at::kInt).contiguous();
   const auto lens = seq_lens.to(at::kInt).contiguous();
   const auto tables = block_tables.to(at::kInt).contiguous();
+  at::Tensor sinks_f;
+  if (sinks.has_value()) {
+    sinks_f = sinks->to(at::kFloat).contiguous();
+    TORCH_CHECK(sinks_f.dim() == 1 && sinks_f.size(0) == H, "sinks must be one logit per query head [H]");
+  }
   auto out = at::zeros_like(qc);
-  const PagedAttention args{qc.data_ptr<float>(), H, D, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+  PagedAttention args{qc.data_ptr<float>(), H, D, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
                             k_cache.size(0), block_size, KVH, qsl.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
                             tables.data_ptr<int32_t>(), lens.size(0), tables.size(1), static_cast<float>(scale),
                             max_q, max_splits, window};
+  if (sinks_f.defined()) args.sinks = sinks_f.data_ptr<float>();
   paged_attention(args, out.data_ptr<float>());
   return out;
 }
@@ -180,7 +186,7 @@ at::Tensor gguf_dequantize_op(const at::TensorList packed, int64_t type, at::Sca
 TORCH_LIBRARY(localllm_cpu, m) {
   m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor seq_lens, "
-        "Tensor block_tables, float scale, int max_q, int max_splits=0, int window=0) -> Tensor");
+        "Tensor block_tables, float scale, int max_q, int max_splits=0, int window=0, Tensor? sinks=None) -> Tensor");
   m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def("topk_indices(Tensor logits, int k) -> Tensor");
   m.def("sample_rows(Tensor logits, float[] temps, int[] top_ks, float[] top_ps, float[] min_ps, float[] u) -> Tensor");

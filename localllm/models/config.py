@@ -64,6 +64,9 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None  # always with "rope_type"; None is plain RoPE
+    # RoPE rotates the first rotary_dim = int(head_dim * factor) dims of each head and passes
+    # the rest (Phi-4-mini: 0.75); the rotary table is rotary_dim wide
+    partial_rotary_factor: float = 1.0
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
@@ -102,6 +105,10 @@ class ModelConfig:
     def __post_init__(self) -> None:
         assert self.num_heads % self.num_kv_heads == 0, "GQA needs heads to be a multiple of kv heads"
         assert not self.layer_types or len(self.layer_types) == self.num_layers
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def layer_window(self, i: int) -> int | None:
         """The window layer ``i`` attends through, or None (every earlier token)."""
@@ -159,9 +166,12 @@ class ModelConfig:
             layers = int(cfg["num_hidden_layers"])
             window, types = _sliding_window(cfg, arch, layers, source)
             rope_theta, rope_scaling, local = _rope_by_layer_type(cfg, arch, max_positions, source)
+            partial = _partial_rotary(cfg, arch, int(head_dim), source)
+            half = int(int(head_dim) * partial) // 2
             for key in ("short_factor", "long_factor"):
-                if len((rope_scaling or {}).get(key, [0] * (int(head_dim) // 2))) != int(head_dim) // 2:
-                    raise LocalLLMError(f"{source}: longrope {key} needs head_dim / 2 = {int(head_dim) // 2} entries")
+                if len((rope_scaling or {}).get(key, [0] * half)) != half:
+                    what = "head_dim / 2" if partial == 1 else "rotary dims / 2"
+                    raise LocalLLMError(f"{source}: longrope {key} needs {what} = {half} entries")
             return cls(
                 architecture=arch,
                 vocab_size=int(cfg["vocab_size"]),
@@ -174,6 +184,7 @@ class ModelConfig:
                 rms_norm_eps=float(cfg.get("rms_norm_eps", _DEFAULT_EPS.get(arch, 1e-6))),
                 rope_theta=rope_theta,
                 rope_scaling=rope_scaling,
+                partial_rotary_factor=partial,
                 max_position_embeddings=max_positions,
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", _DEFAULT_TIED.get(arch, False))),
                 qkv_bias=bool(cfg.get("attention_bias", arch in ("Qwen2ForCausalLM", "GptOssForCausalLM"))),
@@ -326,9 +337,7 @@ def _rope(cfg: dict[str, Any], max_positions: int, source: str) -> tuple[float, 
     theta = cfg.get("rope_theta", 10000.0) if theta is None else theta
     kind = params.pop("rope_type", None) or params.get("type") or "default"
     params.pop("type", None)
-    partial = params.pop("partial_rotary_factor", cfg.get("partial_rotary_factor"))
-    if partial not in (None, 1, 1.0):
-        raise LocalLLMError(f"{source}: partial_rotary_factor {partial!r} is not supported (rotary over the whole head)")
+    params.pop("partial_rotary_factor", None)  # _partial_rotary reads it
     if not _positive(theta):
         raise LocalLLMError(f"{source}: rope_theta {theta!r} must be a positive number")
     if kind == "default":
@@ -361,6 +370,25 @@ def _rope(cfg: dict[str, Any], max_positions: int, source: str) -> tuple[float, 
         if value is not None and not _positive(value):
             raise LocalLLMError(f"{source}: rope_parameters {key} {value!r} must be a positive number")
     return float(theta), {"rope_type": kind, **params}
+
+
+def _partial_rotary(cfg: dict[str, Any], arch: str, head_dim: int, source: str) -> float:
+    """``partial_rotary_factor`` as transformers 5 reads it (in rope_parameters, or the older
+    rope_scaling, or at the top level): RoPE on the first int(head_dim * factor) dims. Phi-3's
+    attention (Phi-4-mini) passes the rest through; other families here rotate whole heads."""
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    factor = rope.get("partial_rotary_factor") if isinstance(rope, dict) else None
+    factor = cfg.get("partial_rotary_factor") if factor is None else factor
+    if factor is None or factor == 1:
+        return 1.0
+    if arch != "Phi3ForCausalLM":
+        raise LocalLLMError(f"{source}: partial_rotary_factor {factor!r} is not supported for {arch} "
+                            "(rotary over the whole head; Phi-3/Phi-4 take a partial one)")
+    dims = int(head_dim * factor) if _positive(factor) and factor < 1 else 0
+    if dims < 2 or dims % 2:
+        raise LocalLLMError(f"{source}: partial_rotary_factor {factor!r} must be in (0, 1] and rotate an even "
+                            f"number of the {head_dim} head dimensions")
+    return float(factor)
 
 
 def _positive(value: Any) -> bool:

@@ -39,6 +39,8 @@ def save_hf_folder(
         "bos_token_id": ckpt.tokenizer.bos_token_id,
         "eos_token_id": list(ckpt.tokenizer.eos_token_ids),
     }
+    if cfg.partial_rotary_factor != 1:  # Phi-4-mini's RoPE on part of each head
+        hf["partial_rotary_factor"] = cfg.partial_rotary_factor
     hf.update(extra_config or {})
     hf["dtype"] = hf["torch_dtype"]  # transformers 5 reads dtype; older ones torch_dtype
     (out / "config.json").write_text(json.dumps(hf, indent=2))

@@ -7,6 +7,7 @@ Tensor data stays memory-mapped until a tensor is dequantized or handed over as 
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -287,7 +288,13 @@ def gguf_rope_scaling(fields: dict[str, Any], arch: str, hf_cfg: dict[str, Any],
     rope = {k.removeprefix(f"{arch}.rope."): v for k, v in fields.items() if k.startswith(f"{arch}.rope.")}
     dims = rope.get("dimension_count")
     if dims is not None and dims != hf_cfg["head_dim"]:
-        raise LocalLLMError(f"{path}: rope over {dims} of {hf_cfg['head_dim']} head dimensions is not supported")
+        # partial rotary (Phi-4-mini): the config reader refuses it where the family rotates whole
+        # heads. As a factor that int(head_dim * factor) turns back into dims (the division may
+        # land one ulp low: 30 / 44 * 44 < 30)
+        factor = dims / hf_cfg["head_dim"]
+        while int(hf_cfg["head_dim"] * factor) < dims:
+            factor = math.nextafter(factor, 2.0)
+        hf_cfg["partial_rotary_factor"] = factor
     kind = rope.get("scaling.type", "none")
     known = {"freq_base", "dimension_count", "scaling.type", "scaling.finetuned"}
     if (hf_cfg.get("rope_scaling") or {}).get("rope_type") == "longrope":

@@ -1,15 +1,15 @@
 """gpt-oss (20b: 24 layers, 32 experts, 4 per token; 120b: 36 layers, 128 experts): a mixture
 of experts in every layer with biases on the router and the experts and transformers'
 clamped SwiGLU (alpha 1.702, limit 7.0; models/moe.py), attention with q/k/v/o biases and a
-learned sink logit per head (models/attention_sinks.py), every other layer (the even ones)
+learned sink logit per head (kernels/paged_attention.py), every other layer (the even ones)
 attending through a 128-token window, YaRN RoPE. All of it is configuration (models/config.py)
 but the names.
 
 The HF checkpoint stores each layer's experts as ``gate_up_proj`` [E, H, 2I] with gate and
 up interleaved column by column and ``down_proj`` [E, I, H] (input-major), the router as
 ``mlp.router``; llama.cpp's GGUF stacks them as the other MoE families do (``ffn_gate_exps``
-[E, I, H], ``ffn_gate_inp`` the router, ``attn_sinks``), with the experts in MXFP4, which is
-dequantized at load here (no MXFP4 kernel yet).
+[E, I, H], ``ffn_gate_inp`` the router, ``attn_sinks``), with the experts in MXFP4: a GGUF
+plan on CPU keeps those blocks as stored (quant/gguf_experts.py), a float plan dequantizes them.
 """
 
 from __future__ import annotations

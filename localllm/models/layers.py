@@ -21,16 +21,17 @@ from torch import nn
 from localllm.errors import LocalLLMError
 from localllm.kernels import cpu_ops, paged_attention, rms_norm, rotary, rotary_and_store_kv, silu_and_mul
 from localllm.kernels._triton import use_triton
-from localllm.models.attention_sinks import paged_attention_sinks
 from localllm.models.config import ROPE_TYPES, ModelConfig
 from localllm.models.kv_spec import LayerKVSpec
 from localllm.models.moe import MoE
 
 
 def rope_cos_sin(cfg: ModelConfig, max_positions: int, local: bool = False) -> torch.Tensor:
-    """[max_positions, head_dim] fp32: cos over the first half, sin over the second; ``local``:
-    the table of the sliding layers where they rotate by their own base (Gemma 3)."""
-    dim = cfg.head_dim
+    """[max_positions, rotary_dim] fp32: cos over the first half, sin over the second; ``local``:
+    the table of the sliding layers where they rotate by their own base (Gemma 3). A table
+    narrower than the head (partial rotary, Phi-4-mini) rotates the head's first rotary_dim
+    dims and passes the rest: every rotary path reads the width from the table."""
+    dim = cfg.rotary_dim
     theta = cfg.local_rope_theta if local and cfg.local_rope_theta is not None else cfg.rope_theta
     scaling = (cfg.local_rope_scaling if local else cfg.rope_scaling) or {}
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
@@ -100,7 +101,7 @@ def _longrope(inv_freq: torch.Tensor, scaling: dict[str, Any], max_positions: in
     orig = scaling["original_max_position_embeddings"]
     short, long = (torch.tensor(scaling[k], dtype=torch.float64) for k in ("short_factor", "long_factor"))
     if short.shape != inv_freq.shape or long.shape != inv_freq.shape:
-        raise LocalLLMError(f"longrope factors must have head_dim / 2 = {inv_freq.numel()} entries")
+        raise LocalLLMError(f"longrope factors must have rotary dims / 2 = {inv_freq.numel()} entries")
     factor = scaling.get("factor") or scaling["max_position_embeddings"] / orig
     attention_factor = scaling.get("attention_factor")
     if attention_factor is None:
@@ -188,7 +189,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.qkv_proj.output_sizes = [self.q_size, self.kv_size, self.kv_size]  # type: ignore[assignment]
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
-        # gpt-oss: one learned logit per head in every softmax (models/attention_sinks.py)
+        # gpt-oss: one learned logit per head in every softmax (kernels/paged_attention.py)
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if cfg.attention_sinks else None
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.norm_offset) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.norm_offset) if cfg.qk_norm else None
@@ -247,18 +248,11 @@ class Attention(nn.Module):
             positions, cos_sin = torch.zeros_like(positions), self.no_rope
         q = rotary_and_store_kv(q, k, v, positions, cos_sin, self.k_cache, self.v_cache, meta.slot_mapping,
                                 self.k_scale, self.v_scale)
-        if self.sinks is not None:  # no kernel takes sinks: the torch form, one opaque op
-            o = paged_attention_sinks(
-                q, self.k_cache, self.v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                self.scale, self.sinks, self.sliding_window or 0,
-                self.k_scale if isinstance(self.k_scale, torch.Tensor) else None,
-                self.v_scale if isinstance(self.v_scale, torch.Tensor) else None)
-        else:
-            o = paged_attention(
-                q, self.k_cache, self.v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                self.scale, meta.num_decodes, self.k_scale, self.v_scale, self.batch_invariant,
-                sliding_window=self.sliding_window,
-            )
+        o = paged_attention(
+            q, self.k_cache, self.v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+            self.scale, meta.num_decodes, self.k_scale, self.v_scale, self.batch_invariant,
+            sliding_window=self.sliding_window, sinks=self.sinks,
+        )
         return self.o_proj(o.reshape(T, self.q_size).to(x.dtype))
 
 
@@ -321,7 +315,12 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_scale = cfg.embed_scale
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # On meta (the loader builds there) no init: nn.Embedding's normal_ runs a Python
+        # decomposition there that imports torch._dynamo (~1-4 s of every start), for values
+        # the checkpoint replaces. Elsewhere the usual init (tests draw the same RNG values).
+        meta = torch.get_default_device().type == "meta"
+        weight = torch.empty(cfg.vocab_size, cfg.hidden_size) if meta else None
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
 

@@ -10,6 +10,10 @@ tokens, no gathered copy of the weights). Which experts a batch hits is data, so
 body could not be traced; as a custom op with a fake (shape-only) form, the compiled CPU
 decode step keeps one graph with the op in it, and the routing around it (router matmul,
 top-k, softmax) compiles as usual. There is no branch on the batch's routing outside it.
+
+A GGUF plan on CPU keeps the file's expert blocks instead (``MoE.experts``, a
+``localllm.quant.gguf_experts.GGUFExperts`` the loader's quant decision attaches, with no
+``w13``/``w2`` left): the same routing, biases and activation, its own op for the matmuls.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from localllm.errors import LocalLLMError
+from localllm.kernels.opaque_op import opaque_op
 from localllm.models.config import ModelConfig
 
 
@@ -38,7 +43,7 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     return torch.softmax(logits, dim=-1).gather(1, ids), ids
 
 
-def _activate(h: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+def activate(h: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
     """gate/up halves of ``h`` -> [rows, I]: SiLU(gate) * up, or with ``limit`` > 0 gpt-oss's
     clamped SwiGLU, (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)."""
     gate, up = h.chunk(2, dim=-1)
@@ -48,7 +53,7 @@ def _activate(h: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-@torch.library.custom_op("localllm::moe_experts", mutates_args=())
+@opaque_op("localllm::moe_experts")
 def moe_experts(
     x: torch.Tensor,
     weights: torch.Tensor,
@@ -80,7 +85,7 @@ def moe_experts(
         if n == 0:
             continue
         h = F.linear(rows[start:start + n], w13[e], None if b13 is None else b13[e])
-        h = _activate(h.float(), limit, alpha).to(w2.dtype)
+        h = activate(h.float(), limit, alpha).to(w2.dtype)
         out[start:start + n] = F.linear(h, w2[e], None if b2 is None else b2[e]).float()
         start += n
     out.mul_(weights.flatten().index_select(0, order).float().unsqueeze(1))
@@ -107,7 +112,7 @@ def experts_gathered(
     h = torch.bmm(w13.index_select(0, flat), rows).squeeze(2)  # [T*k, 2I]
     if b13 is not None:
         h = h + b13.index_select(0, flat)
-    h = _activate(h.float(), limit, alpha).to(w2.dtype).unsqueeze(2)
+    h = activate(h.float(), limit, alpha).to(w2.dtype).unsqueeze(2)
     out = torch.bmm(w2.index_select(0, flat), h).squeeze(2)
     if b2 is not None:
         out = out + b2.index_select(0, flat)
@@ -136,7 +141,11 @@ class Router(nn.Module):
 class MoE(nn.Module):
     """The MLP of a mixture-of-experts layer: ``DecoderLayer`` builds it in place of ``MLP``
     when the config has experts. Parameters: ``gate`` (the router), ``w13``, ``w2`` and, with
-    ``expert_bias``, ``b13`` and ``b2``. Returns fp32, as the residual stream is."""
+    ``expert_bias``, ``b13`` and ``b2``. Returns fp32, as the residual stream is.
+
+    ``experts``: None, or the module that holds the experts' matrices in a quantized form
+    in place of ``w13``/``w2`` (then None), called as ``experts(x, weights, ids, b13, b2,
+    limit, alpha)``."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -148,16 +157,25 @@ class MoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(E, H, I))
         self.b13 = nn.Parameter(torch.empty(E, 2 * I)) if cfg.expert_bias else None
         self.b2 = nn.Parameter(torch.empty(E, H)) if cfg.expert_bias else None
+        self.experts: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        if self.experts is not None:  # the GGUF file's blocks (quant/gguf_experts.py)
+            return self.experts(x, weights, ids, self.b13, self.b2, self.limit, self.alpha)
         return moe_experts(x, weights, ids, self.w13, self.w2, self.b13, self.b2, self.limit, self.alpha)
 
 
 def load_expert_weight(moe: MoE, name: str, tensor: torch.Tensor, expert: int | None, shard: int | None) -> None:
     """Copies one checkpoint tensor into ``moe``'s stacked parameter ``name`` (w13, w2, b13,
     b2): all experts at once (``expert`` None) or one, and of w13/b13 the gate half (``shard``
-    0), the up half (1) or both (None). Raises ValueError naming the shapes on a mismatch."""
+    0), the up half (1) or both (None). Raises ValueError naming the shapes on a mismatch.
+    Matrices of an ``experts`` module go to its ``load_weight`` (all experts at once)."""
+    if moe.experts is not None and name in ("w13", "w2"):
+        if expert is not None:
+            raise ValueError("one expert's slice, but GGUF experts load stacked ([E, out, in]) only")
+        moe.experts.load_weight(name, tensor, shard)
+        return
     target = getattr(moe, name).data
     if expert is not None:
         target = target[expert]
@@ -208,6 +226,8 @@ def place_experts(
             raise LocalLLMError(f"checkpoint tensor {name!r} has no place in this model ({e})") from None
         except ValueError as e:
             raise LocalLLMError(f"checkpoint tensor {name!r} has {e}") from None
+        if moe.experts is not None and param in ("w13", "w2"):
+            continue  # the experts module tracks its own tensors (expected_weight_names)
         key = f"{m['mlp']}.{param}"
         written[key] = written.get(key, 0) + tensor.numel()
 

@@ -160,10 +160,11 @@ def test_dispatcher_cpu_runs_reference() -> None:
     torch.testing.assert_close(paged_attention(*args, batch["num_decodes"]), paged_attention_ref(**batch))
 
 
-def dense_attention(batch: dict, window: int | None = None) -> torch.Tensor:
+def dense_attention(batch: dict, window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Explicit softmax attention over each sequence's blocks, read one token at a time: an
     implementation that shares nothing with the reference's gather, packing or SDPA. With a
-    window, query p sees keys p - window + 1 .. p."""
+    window, query p sees keys p - window + 1 .. p; with sinks, head h's softmax also spans the
+    logit sinks[h], whose value is zero."""
     q, kc, vc = batch["q"].double(), batch["k_cache"], batch["v_cache"]
     if kc.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         kc, vc = kc.double() * batch["k_scale"], vc.double() * batch["v_scale"]
@@ -180,7 +181,11 @@ def dense_attention(batch: dict, window: int | None = None) -> torch.Tensor:
             first = max(0, visible - window) if window else 0
             for h in range(q.shape[1]):
                 scores = (k[first:visible, h // group] @ q[row, h]) * batch["scale"]
-                out[row, h] = torch.softmax(scores, 0) @ v[first:visible, h // group]
+                if sinks is not None:
+                    probs = torch.softmax(torch.cat((scores, sinks[h : h + 1].double())), 0)[:-1]
+                else:
+                    probs = torch.softmax(scores, 0)
+                out[row, h] = probs @ v[first:visible, h // group]
     return out
 
 
@@ -248,3 +253,74 @@ def test_cpu_kernel_window(head_dim: int, max_q: int, splits: int) -> None:
         starts = batch["query_start_loc"].tolist()
         rows = [r for b in range(len(lens)) if starts[b + 1] - starts[b] <= max_q for r in range(starts[b], starts[b + 1])]
         torch.testing.assert_close(out[rows].double(), want[rows], atol=1e-5, rtol=1e-5)
+
+
+# ---- attention sinks (gpt-oss): a per-head logit in every softmax's denominator ----
+
+
+def _sinks(heads: int) -> torch.Tensor:
+    # around the scores' size, so some rows give the sink most of the weight and some little
+    return torch.randn(heads) * 3
+
+
+@pytest.mark.parametrize("window", [0, 7])
+def test_sinks_reference_matches_dense_attention(window: int) -> None:
+    from localllm.kernels.paged_attention import paged_attention_sinks_ref
+
+    batch = make_batch(WINDOW_LENS, 8, 2, 32, 8, torch.float32, "cpu")
+    sinks = _sinks(8)
+    got = paged_attention_sinks_ref(batch["q"], batch["k_cache"], batch["v_cache"], batch["query_start_loc"],
+                                    batch["seq_lens"], batch["block_tables"], batch["scale"], sinks, window, None, None)
+    want = dense_attention(batch, window or None, sinks)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    assert (want - dense_attention(batch, window or None)).abs().max() > 1e-2  # the sinks changed the answer
+
+
+@pytest.mark.parametrize("head_dim", [16, 64])  # the generic kernel and a fixed-size one
+@pytest.mark.parametrize(("max_q", "splits"), [(1, 0), (32, 0), (32, 1), (32, 3)])
+def test_cpu_kernel_sinks(head_dim: int, max_q: int, splits: int) -> None:
+    """The C++ kernel with sinks, window or none: decodes (one split into slices), extends
+    and a prefill, in one slice or several (the sink joins the merged denominator once)."""
+    from localllm.kernels import cpu_ops
+
+    if not cpu_ops.load():
+        pytest.skip("no C++ compiler: the CPU kernels are not built here")
+    lens = WINDOW_LENS if max_q > 1 else [(1, 5), (1, 40), (1, 17), (1, 300)]
+    batch = make_batch(lens, 8, 2, head_dim, 8, torch.float32, "cpu")
+    sinks = _sinks(8)
+    for window in (0, 7):
+        out = torch.ops.localllm_cpu.paged_attention(
+            batch["q"], batch["k_cache"], batch["v_cache"], batch["query_start_loc"], batch["seq_lens"],
+            batch["block_tables"], batch["scale"], max_q, splits, window, sinks)
+        torch.testing.assert_close(out.double(), dense_attention(batch, window or None, sinks), atol=1e-5, rtol=1e-5)
+
+
+def test_dispatcher_takes_sinks_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a gpt-oss layer calls: every row (a prefill too) gets the sinks, window or not,
+    from the C++ kernel where it is built (the torch form otherwise)."""
+    import sys
+
+    from localllm.kernels import cpu_ops
+
+    if cpu_ops.load():
+        def no_torch_form(*args: object) -> torch.Tensor:
+            raise AssertionError("the C++ kernel takes sinks")
+
+        monkeypatch.setattr(sys.modules["localllm.kernels.paged_attention"], "paged_attention_sinks_ref", no_torch_form)
+    batch = make_batch(WINDOW_LENS, 4, 2, 32, 8, torch.float32, "cpu")
+    sinks = _sinks(4)
+    for window in (None, 7):
+        got = paged_attention(**batch, sliding_window=window, sinks=sinks)
+        torch.testing.assert_close(got.double(), dense_attention(batch, window, sinks), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("window", "num_splits"), [(0, 1), (7, 1), (7, 4), (0, 2)])
+def test_triton_sinks(device: str, window: int, num_splits: int) -> None:
+    """Decodes (split-K or not: the sink joins once, in the merge) and extends/prefills."""
+    batch = make_batch(WINDOW_LENS, 4, 2, 32, 8, torch.float32, device)
+    sinks = _sinks(4).to(device)
+    out = paged_attention_triton(**batch, num_splits=num_splits, block_m=16, tile_n=8, sliding_window=window,
+                                 sinks=sinks)
+    cpu = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    torch.testing.assert_close(out.double().cpu(), dense_attention(cpu, window or None, sinks.cpu()),
+                               atol=2e-4, rtol=2e-4)

@@ -1,9 +1,10 @@
 """Each family beyond Llama against transformers itself: a tiny random model made here by
-transformers (Gemma 3 text, Mistral with a sliding window, Phi-3 with fused weights and
-LongRoPE), saved as safetensors and written as GGUF under llama.cpp's names with the ``gguf``
-package. fp32 logits equal transformers' at every position, and greedy tokens equal through
-the engine: batched with other requests, a prefix-cache hit, prompts longer than the window.
-One session-scoped model per family; no compiles here (tests/engine covers compiled decode)."""
+transformers (Gemma 3 text, Mistral with a sliding window, Phi-3 with fused weights, LongRoPE
+and Phi-4-mini's partial rotary), saved as safetensors and written as GGUF under llama.cpp's
+names with the ``gguf`` package. fp32 logits equal transformers' at every position, and greedy
+tokens equal through the engine: batched with other requests, a prefix-cache hit, prompts
+longer than the window. One session-scoped model per family; no compiles here (tests/engine
+covers compiled decode)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ transformers = pytest.importorskip("transformers")
 
 VOCAB = 49152  # the default model's tokenizer
 WINDOW = 8
+PHI_PARTIAL = 0.75  # Phi-4-mini's partial_rotary_factor
 # A prompt far past the window, two short ones, and one sharing the first's prefix (a hit)
 PROMPTS = [list(range(300, 340)), [5, 6, 7], list(range(1000, 1012)), list(range(300, 332)) + [77, 78, 79]]
 NEW_TOKENS = 12
@@ -58,12 +60,12 @@ def _config(name: str) -> Any:
                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
     if name == "mistral":
         return transformers.MistralConfig(**common, num_hidden_layers=2, sliding_window=WINDOW, tie_word_embeddings=False)
-    if name == "phi3":
-        half = common["head_dim"] // 2
+    if name == "phi3":  # shaped as Phi-4-mini: RoPE on 3/4 of each head (12 of 16 dims), tied head
+        half = int(common["head_dim"] * PHI_PARTIAL) // 2
         return transformers.Phi3Config(
-            **common, num_hidden_layers=2, sliding_window=WINDOW, tie_word_embeddings=False,
+            **common, num_hidden_layers=2, sliding_window=WINDOW, tie_word_embeddings=True,
             original_max_position_embeddings=64,
-            rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 1.0,
+            rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": PHI_PARTIAL,
                              "short_factor": [1.0 + 0.1 * i for i in range(half)],
                              "long_factor": [2.0 + 0.5 * i for i in range(half)]})
     raise AssertionError(name)
@@ -110,6 +112,8 @@ def _write_gguf(path: Path, name: str, cfg: Any, sd: dict[str, torch.Tensor], to
     else:
         w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:  # as convert_hf_to_gguf.py writes Phi-4-mini
+        w.add_rope_dimension_count(int(cfg.head_dim * rope["partial_rotary_factor"]))
     if rope["rope_type"] == "longrope":  # as convert_hf_to_gguf.py writes Phi-3 128k
         orig = rope["original_max_position_embeddings"]
         w.add_rope_scaling_orig_ctx_len(orig)
@@ -211,6 +215,8 @@ def test_fp32_logits_equal_transformers(family: Family, fmt: str) -> None:
     want = _hf_logits(family.model, ids)
     torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
     assert loaded.model.kv_spec() == loaded.model.config.kv_spec()  # what the planner sized
+    if family.name == "phi3":  # the partial rotary, from config.json and from rope.dimension_count
+        assert loaded.model.config.rotary_dim == loaded.model.cos_sin.shape[1] == 12  # noqa: PLR2004
     windows = [s.sliding_window for s in loaded.model.kv_spec()]
     assert windows == ([WINDOW] * 5 + [None] if family.name == "gemma3" else [WINDOW] * 2)
 
@@ -231,7 +237,7 @@ def test_greedy_tokens_through_the_engine(family: Family) -> None:
 def test_unimplemented_settings_are_refused_in_one_line(family: Family) -> None:
     raw = json.loads((family.hf / "config.json").read_text())
     key = {"gemma3": "attn_logit_softcapping", "mistral": "hidden_act", "phi3": "partial_rotary_factor"}[family.name]
-    value = {"attn_logit_softcapping": 50.0, "hidden_act": "relu", "partial_rotary_factor": 0.75}[key]
+    value = {"attn_logit_softcapping": 50.0, "hidden_act": "relu", "partial_rotary_factor": 1.5}[key]
     if key == "partial_rotary_factor":
         raw["rope_parameters"]["partial_rotary_factor"] = value
     else:

@@ -224,7 +224,9 @@ def test_gguf_rope_scaling_keys() -> None:
     assert read(scaling__type="linear", scaling__factor=4.0)["rope_scaling"] == {"rope_type": "linear", "factor": 4.0}
     assert read(scaling__type="yarn", scaling__factor=4.0, scaling__original_context_length=2048)["rope_scaling"] == {
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}
-    for rope, words in (({"scaling__type": "longrope"}, "'longrope'"), ({"dimension_count": 32}, "32 of 64"),
+    # RoPE on part of the head: the config reader takes it for Phi-3 and refuses it for llama (above)
+    assert read(dimension_count=32)["partial_rotary_factor"] == 0.5  # noqa: PLR2004
+    for rope, words in (({"scaling__type": "longrope"}, "'longrope'"),
                         ({"scaling__type": "yarn", "scaling__factor": 4.0, "scaling__yarn_log_multiplier": 0.1},
                          "yarn_log_multiplier"),
                         ({"dimension_sections": [16, 24, 24, 0]}, "dimension_sections")):

@@ -3,7 +3,11 @@ gpt-oss made here by transformers, saved as safetensors and written as GGUF unde
 names (experts stacked per layer) with the ``gguf`` package. fp32 logits equal transformers'
 at every position; greedy tokens equal through the engine, batched, with a prefix-cache hit
 and (gpt-oss) prompts past its window; the compiled CPU decode step runs the MoE block and the
-sink attention in its one graph (gpt-oss only: one compile in CI)."""
+sink attention in its one graph (gpt-oss only: one compile in CI).
+
+The same models written with quantized experts (Q8_0, Q5_0, Q4_K, Q6_K for Qwen3-MoE; MXFP4 for
+gpt-oss) load under the default GGUF plan with the experts kept as stored
+(quant/gguf_experts.py) and match the model dequantized by the gguf package."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -23,11 +28,13 @@ from localllm.models.loader import load_model
 from localllm.models.registry import FAMILIES, model_class
 from localllm.quant.forward import prefill_logits
 from tests.tiers import matrix
-from tests.models.test_families import PROMPTS, VOCAB, WINDOW, _hf_greedy, _hf_logits, family_tokenizer  # noqa: F401
+from tests.models.test_families import (  # noqa: F401
+    LLAMA_SERVER, PROMPTS, VOCAB, WINDOW, _hf_greedy, _hf_logits, family_tokenizer)
 
 transformers = pytest.importorskip("transformers")
 
 NEW_TOKENS = 10
+LLAMA_CPP_TOKENS = 8  # llama.cpp's one int8 level of activations may turn a near tie later on
 _CLASSES = {"qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 
 
@@ -45,7 +52,8 @@ def _config(name: str) -> Any:
                   num_hidden_layers=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
                   pad_token_id=None, tie_word_embeddings=False, num_experts_per_tok=2)
     if name == "qwen3_moe":
-        return transformers.Qwen3MoeConfig(**common, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+        # experts 256 wide, so that ffn_down_exps takes K-quant blocks (256-weight rows)
+        return transformers.Qwen3MoeConfig(**common, intermediate_size=96, moe_intermediate_size=256, num_experts=8,
                                            norm_topk_prob=True)
     # a low swiglu_limit so that the clamps bite on random weights; YaRN as gpt-oss ships it
     return transformers.GptOssConfig(**common, intermediate_size=32, num_local_experts=8, sliding_window=WINDOW,
@@ -99,6 +107,21 @@ def _write_gguf(path: Path, name: str, cfg: Any, sd: dict[str, torch.Tensor], to
                 mxfp4: bool = False) -> None:
     import gguf
 
+    tensors: list[tuple[str, np.ndarray, Any]] = []
+    for n, t in _gguf_tensors(name, sd, cfg):
+        if mxfp4 and "_exps.weight" in n:  # as llama.cpp ships gpt-oss: experts in MXFP4
+            kind = gguf.GGMLQuantizationType.MXFP4
+            tensors.append((n, gguf.quants.quantize(t.float().contiguous().numpy(), kind), kind))
+        else:
+            tensors.append((n, t.float().contiguous().numpy(), None))
+    _write_tensors(path, name, cfg, tensors, tokenizer_fields)
+
+
+def _write_tensors(path: Path, name: str, cfg: Any, tensors: list[tuple[str, np.ndarray, Any]],
+                   tokenizer_fields: dict) -> None:
+    """A GGUF of ``tensors``: (name, array, ggml type of its blocks or None for a float array)."""
+    import gguf
+
     w = gguf.GGUFWriter(path, FAMILIES[_CLASSES[name]].gguf_architecture)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -128,12 +151,11 @@ def _write_gguf(path: Path, name: str, cfg: Any, sd: dict[str, torch.Tensor], to
     w.add_token_merges(tokenizer_fields["tokenizer.ggml.merges"])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
-    for n, t in _gguf_tensors(name, sd, cfg):
-        if mxfp4 and "_exps.weight" in n:  # as llama.cpp ships gpt-oss: experts in MXFP4
-            blocks = gguf.quants.quantize(t.float().contiguous().numpy(), gguf.GGMLQuantizationType.MXFP4)
-            w.add_tensor(n, blocks, raw_shape=blocks.shape, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+    for n, arr, kind in tensors:
+        if kind is None:
+            w.add_tensor(n, arr)
         else:
-            w.add_tensor(n, t.float().contiguous().numpy())
+            w.add_tensor(n, arr, raw_shape=arr.shape, raw_dtype=kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -171,6 +193,187 @@ def _make(name: str, tokenizer: tuple[Path, dict], root: Path) -> MoEModel:
 @pytest.fixture(scope="session", params=list(_CLASSES))
 def moe_model(request, family_tokenizer, tmp_path_factory) -> MoEModel:  # noqa: F811
     return _make(request.param, family_tokenizer, tmp_path_factory.mktemp(f"moe-{request.param}"))
+
+
+# ---- experts kept as the file stores them (quant/gguf_experts.py) ----
+
+# Per layer, the stored type of ffn_gate_exps, ffn_up_exps, ffn_down_exps: Qwen3-MoE as a
+# Q4_K_M mixes them (K-quants need 256-wide rows: only down's, moe_intermediate_size, are here;
+# layer 1's gate and up of different types take the unfused path); gpt-oss in MXFP4 as every
+# llama.cpp file holds it. Every other matrix Q8_0, the router, norms, biases and sinks F32.
+EXPERT_TYPES = {"qwen3_moe": [("Q8_0", "Q8_0", "Q4_K"), ("Q8_0", "Q5_0", "Q6_K")],
+                "gpt_oss": [("MXFP4", "MXFP4", "MXFP4")] * 2}
+
+# the experts' weights scaled up from transformers' init, so that their outputs steer the
+# tiny models' greedy tokens (at init scale gpt-oss's repeat two tokens whatever the experts)
+EXPERT_SCALE = 8.0
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedMoE:
+    name: str
+    quantized: Path  # experts in EXPERT_TYPES' blocks, the other matrices Q8_0
+    reference: Path  # the same model with every block tensor as gguf.quants.dequantize gives it, in F32
+    expert_bytes: int  # the stacked experts' bytes in the quantized file
+    tensor_bytes: int  # every tensor's bytes in the quantized file
+
+
+def _kquant_blocks(kind: str, shape: tuple[int, ...], gen: np.random.Generator) -> np.ndarray:
+    """Random valid blocks of a K-quant the gguf package cannot quantize to, their fp16 super
+    scales small enough for weights of about transformers' init scale."""
+    from localllm.quant import gguf_formats as gf
+
+    f = gf.fmt(kind)
+    nblk = int(np.prod(shape)) // f.block_weights
+    raw = gen.integers(0, 256, (nblk, f.block_bytes), dtype=np.uint8)
+    if kind == "Q4_K":  # d, dmin first
+        raw[:, :4] = gen.uniform(1e-4, 3e-4, (nblk, 2)).astype(np.float16).view(np.uint8)
+    else:  # Q6_K: d last
+        raw[:, 208:] = gen.uniform(1e-5, 3e-5, (nblk, 1)).astype(np.float16).view(np.uint8)
+    return raw.reshape(*shape[:-1], shape[-1] // f.block_weights * f.block_bytes)
+
+
+def _quantized_files(m: MoEModel, tokenizer_fields: dict, root: Path) -> QuantizedMoE:
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    cfg = _config(m.name)
+    sd = {k: v.detach() for k, v in m.model.state_dict().items()}
+    gen = np.random.default_rng(11)
+    quantized, reference, expert_bytes = [], [], 0
+    for n, t in _gguf_tensors(m.name, sd, cfg):
+        arr = t.float().contiguous().numpy()
+        if "_exps.weight" in n:
+            arr = arr * EXPERT_SCALE
+            layer, part = int(n.split(".")[1]), ("gate", "up", "down").index(n.split(".")[2].split("_")[1])
+            kind = EXPERT_TYPES[m.name][layer][part]
+        elif n.endswith(".weight") and arr.ndim == 2 and "ffn_gate_inp" not in n:
+            kind = "Q8_0"
+        else:
+            quantized.append((n, arr, None))
+            reference.append((n, arr, None))
+            continue
+        blocks = _kquant_blocks(kind, arr.shape, gen) if kind in ("Q4_K", "Q6_K") else gguf.quants.quantize(arr, T[kind])
+        quantized.append((n, blocks, T[kind]))
+        reference.append((n, gguf.quants.dequantize(blocks, T[kind]).reshape(arr.shape), None))
+        expert_bytes += blocks.nbytes if "_exps.weight" in n else 0
+    q, ref = root / f"{m.name}-q.gguf", root / f"{m.name}-ref.gguf"
+    _write_tensors(q, m.name, cfg, quantized, tokenizer_fields)
+    _write_tensors(ref, m.name, cfg, reference, tokenizer_fields)
+    return QuantizedMoE(m.name, q, ref, expert_bytes, sum(arr.nbytes for _, arr, _ in quantized))
+
+
+@pytest.fixture(scope="session")
+def quantized_moe(moe_model: MoEModel, family_tokenizer, tmp_path_factory) -> QuantizedMoE:  # noqa: F811
+    return _quantized_files(moe_model, family_tokenizer[1], tmp_path_factory.mktemp(f"moe-q-{moe_model.name}"))
+
+
+def test_gguf_experts_kept_as_stored(quantized_moe: QuantizedMoE) -> None:
+    """A GGUF plan keeps every layer's experts in the file's blocks (no float expert matrix
+    anywhere), in about the file's expert bytes, names their types in the plan's reason, and
+    gives the logits of the same model with the blocks dequantized by the gguf package (what
+    the kernels multiply, up to their int8 activations)."""
+    from localllm.quant.gguf_experts import GGUFExperts
+
+    loaded = load_model(str(quantized_moe.quantized), device="cpu", compile=False)
+    assert loaded.precision.startswith("gguf-")
+    layers = loaded.model.model.layers
+    assert all(isinstance(layer.mlp.experts, GGUFExperts) and layer.mlp.w13 is None for layer in layers)
+    assert not [n for n, _ in loaded.model.named_parameters() if ".mlp.w" in n]
+    want = EXPERT_TYPES[quantized_moe.name]
+    from localllm.quant import gguf_formats as gf
+
+    for layer, (gate, up, down) in zip(layers, want):
+        ex = layer.mlp.experts
+        assert gf.type_name(ex.w13.block_type) == gate and gf.type_name(ex.w2.block_type) == down
+        assert gf.type_name((ex.w3 or ex.w13).block_type) == up and (ex.w3 is None) == (gate == up)
+    held = sum(b.numel() * b.element_size() for layer in layers for b in layer.mlp.experts.buffers())
+    assert abs(held - quantized_moe.expert_bytes) <= 0.05 * quantized_moe.expert_bytes  # repacked, not expanded
+    assert abs(loaded.plan.weight_bytes - quantized_moe.tensor_bytes) <= 0.01 * quantized_moe.tensor_bytes
+    assert "stacked experts as stored" in " ".join(loaded.plan.reasons)
+    for kind in {t for layer in want for t in layer}:
+        assert kind in " ".join(loaded.plan.reasons)
+    ref = load_model(str(quantized_moe.reference), dtype="float32", device="cpu", compile=False)
+    got, exact = prefill_logits(loaded.model, PROMPTS[0]), prefill_logits(ref.model, PROMPTS[0])
+    assert (got - exact).abs().max() < 0.02 * exact.abs().max()  # noqa: PLR2004
+
+
+def test_gguf_experts_greedy_tokens_through_the_engine(quantized_moe: QuantizedMoE) -> None:
+    """The engine on the quantized file (batched decode steps routing tokens to different
+    experts in one call) gives the greedy tokens of the dequantized reference."""
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    ref = LLM(str(quantized_moe.reference), dtype="float32", device="cpu", max_model_len=128)
+    want = [o.outputs[0].token_ids for o in ref.generate(PROMPTS, params)]
+    llm = LLM(str(quantized_moe.quantized), device="cpu", max_model_len=128)
+    assert llm.engine.runner.model.model.layers[0].mlp.experts is not None
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want
+
+
+def _llama_server_greedy(path: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """llama-server's greedy continuation of token-id prompts on ``path`` (one slot, 1 thread)."""
+    import socket
+    import subprocess
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([str(LLAMA_SERVER), "-m", str(path), "--port", str(port), "-t", "1", "-c", "256",
+                               "-np", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 180
+        while True:  # 503 while the model loads
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline and server.poll() is None, "llama-server did not start"
+            time.sleep(0.5)
+        return [httpx.post(f"{url}/completion", timeout=120, json={
+            "prompt": p, "n_predict": n, "temperature": 0, "top_k": 1, "return_tokens": True,
+            "cache_prompt": False}).json()["tokens"] for p in prompts]
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+@pytest.mark.skipif(not LLAMA_SERVER.is_file(), reason="needs llama-server (bench/peers.py --build)")
+def test_gguf_experts_greedy_tokens_as_llama_cpp(quantized_moe: QuantizedMoE) -> None:
+    """The engine's greedy tokens on the quantized file are llama.cpp's on the same model
+    dequantized (its float path: no activation rounding), token for token; and llama.cpp on
+    the quantized file itself starts every continuation as the engine does. Measured: gpt-oss
+    (MXFP4) 32 of 32 tokens equal on the quantized file; Qwen3-MoE 2 of 4 prompts equal
+    throughout, the others until a near tie at token 3 and 5, where llama.cpp's one int8 level
+    of activations (the engine keeps two) departs from its own float answer."""
+    params = SamplingParams(temperature=0, max_tokens=LLAMA_CPP_TOKENS, ignore_eos=True)
+    llm = LLM(str(quantized_moe.quantized), device="cpu", max_model_len=128)
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    assert got == _llama_server_greedy(quantized_moe.reference, PROMPTS, LLAMA_CPP_TOKENS)
+    theirs = _llama_server_greedy(quantized_moe.quantized, PROMPTS, LLAMA_CPP_TOKENS)
+    assert all(a[:2] == b[:2] for a, b in zip(got, theirs))
+    if quantized_moe.name == "gpt_oss":
+        assert got == theirs
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("moe_model", matrix(list(_CLASSES), ci=["qwen3_moe"]), indirect=True)
+def test_compiled_decode_runs_gguf_experts(moe_model: MoEModel, quantized_moe: QuantizedMoE,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GGUF file's default CPU plan compiles its decode step with the experts' op in the one
+    graph (not dropped to eager) and gives the eager path's tokens. CI compiles Qwen3-MoE: its
+    experts take both the fused and the unfused gate/up path."""
+    monkeypatch.delenv("LOCALLLM_NO_COMPILE", raising=False)
+    params = [SamplingParams(temperature=0, max_tokens=NEW_TOKENS + 4 * i, ignore_eos=True) for i in range(3)]
+    eager = LLM(str(quantized_moe.quantized), device="cpu", compile=False, max_model_len=128)
+    compiled = LLM(str(quantized_moe.quantized), device="cpu", compile=True, compile_in_background=False,
+                   max_model_len=128)
+    assert compiled.engine.runner._decode_gives_logits  # compiled, not dropped to eager
+    got = [o.outputs[0].token_ids for o in compiled.generate(PROMPTS[:3], params)]
+    assert got == [o.outputs[0].token_ids for o in eager.generate(PROMPTS[:3], params)]
 
 
 @pytest.mark.parametrize("fmt", ["hf", "gguf"])
@@ -245,6 +448,30 @@ def test_param_counts_total_and_active(moe_model: MoEModel) -> None:
     assert abs(decode_read_bytes(cfg, "float32") - 4 * active) < 0.01 * 4 * active
 
 
+@pytest.mark.parametrize("model_id", ["qwen3-30b-a3b", "gpt-oss-20b"])
+def test_gguf_sizing_charges_experts_as_stored(model_id: str) -> None:
+    """A GGUF plan on the CPU holds the experts' blocks: the catalog's Q4_K_M weighs its file
+    (gpt-oss's experts MXFP4, as every llama.cpp file keeps them), the reason names the
+    experts' types; held by kernels without an expert module (the GPU's) they are float."""
+    from dataclasses import replace
+
+    from localllm.catalog import get_entry
+    from localllm.hardware.sizing import decode_read_bytes, gguf_catalog_weights, weight_bytes
+
+    entry = get_entry(model_id)
+    g = gguf_catalog_weights(entry)
+    assert weight_bytes(entry, "float32", "gguf", g) == g.tensor_bytes
+    kinds = dict(g.expert_types)
+    assert set(kinds) == ({"MXFP4"} if model_id == "gpt-oss-20b" else {"Q4_K", "Q6_K"})
+    assert all(k in g.expert_label for k in kinds) and g.expert_label.endswith("as stored")
+    # one token reads its k experts' blocks, not all E
+    skipped = g.expert_memory(4) * (entry.num_experts - entry.num_experts_per_tok) // entry.num_experts
+    assert decode_read_bytes(entry, "float32", "gguf", g) == g.tensor_bytes - skipped - g.embedding_bytes
+    dequantized = replace(g, kernels="triton")
+    assert weight_bytes(entry, "bfloat16", "gguf", dequantized) > 2 * g.tensor_bytes
+    assert "dequantized" in dequantized.expert_label
+
+
 def test_unrunnable_moe_settings_are_refused_in_one_line(moe_model: MoEModel) -> None:
     raw = json.loads((moe_model.hf / "config.json").read_text())
     if moe_model.name == "qwen3_moe":
@@ -268,9 +495,9 @@ def _mxfp4_round_trip(t: torch.Tensor) -> torch.Tensor:
 
 
 def test_gpt_oss_gguf_with_mxfp4_experts(family_tokenizer, tmp_path: Path) -> None:  # noqa: F811
-    """llama.cpp ships gpt-oss's experts in MXFP4: such a file loads (the experts
-    dequantized; no MXFP4 expert kernel yet) and gives transformers' logits over the same
-    rounded experts."""
+    """llama.cpp ships gpt-oss's experts in MXFP4: such a file loads in a float32 plan (the
+    experts dequantized; a GGUF plan keeps them, test_gguf_experts_kept_as_stored) and gives
+    transformers' logits over the same rounded experts."""
     import gguf  # noqa: F401
 
     cfg = _config("gpt_oss")
@@ -310,21 +537,3 @@ def test_gathered_experts_equal_the_grouped_op(bias: bool) -> None:
         for limit in (0.0, 0.5):
             got = experts_gathered(x, weights, ids, w13, w2, b13, b2, limit, 1.702)
             torch.testing.assert_close(got, moe_experts(x, weights, ids, w13, w2, b13, b2, limit, 1.702))
-
-
-def test_graph_safe_sink_decode_equals_the_sequence_loop() -> None:
-    """The CUDA-graph form of the sink attention (whole tables gathered, lengths masked on
-    the device) gives the per-sequence form's rows, window or not."""
-    from localllm.models.attention_sinks import decode_with_sinks, paged_attention_sinks
-
-    torch.manual_seed(0)
-    blocks, bs, kvh, h, d = 12, 4, 2, 4, 8
-    k_cache, v_cache = torch.randn(blocks, bs, kvh, d), torch.randn(blocks, bs, kvh, d)
-    lens = torch.tensor([3, 9, 14], dtype=torch.int32)
-    tables = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]], dtype=torch.int32)
-    q, sinks = torch.randn(3, h, d), torch.randn(h)
-    qsl = torch.arange(4, dtype=torch.int32)
-    for window in (0, 5):
-        want = paged_attention_sinks(q, k_cache, v_cache, qsl, lens, tables, 0.3, sinks, window, None, None)
-        got = decode_with_sinks(q, k_cache, v_cache, lens, tables, 0.3, sinks, window, None, None)
-        torch.testing.assert_close(got, want)

@@ -2,6 +2,7 @@
 
     python bench/cpu_kernels.py [--rows 1,4,16] [--levels 2] [--reps 7] [--threads N]
                                 [--types Q4_K,Q6_K,...] [--no-attention]
+                                [--model FILE.gguf] [--source DIR]
 
 GGUF linear: one "model pass" is every linear of SmolLM2-135M (30 layers of qkv 960x576,
 o 576x576, gate_up 3072x576, down 576x1536, all Q4_1, and the 49152x576 Q8_0 head), each a
@@ -12,6 +13,12 @@ type alone (K a multiple of 256, as the K-quants need), its packed size and its 
 against its roofline. Paged attention: SmolLM2's 9 query heads over 3 KV heads of 64, blocks
 of 16 scattered over the pool. Median and best over --reps (on a loaded machine the best is
 the figure to hold against the roofline); the CPU and thread count are printed with them.
+
+--model FILE: instead, one decode step's linears of that GGUF file (every 2-D tensor in its
+own type and shape, random blocks, the tied embedding as the head) at each --rows, with the
+time per type, so a K-quant mix's cost at 16 streams shows which block type it goes to.
+--source DIR: build and time a copy of kernels/cpu/ (an A/B of a kernel change in another
+process, without touching the library every test loads).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import os
 import platform
 import statistics
 import time
+from pathlib import Path
 
 from localllm.cli import set_openmp_defaults
 
@@ -63,13 +71,16 @@ def type_blocks(name: str, n: int, k: int) -> torch.Tensor:
     return raw.view(n, -1).contiguous()
 
 
+CLOCK = time.perf_counter  # --cpu-time: time.thread_time
+
+
 def timed(fn, reps: int, best: bool = False) -> float:  # type: ignore[no-untyped-def]
     fn()
     times = []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(CLOCK() - t0)
     return min(times) if best else statistics.median(times)
 
 
@@ -97,13 +108,25 @@ def main() -> None:
     ap.add_argument("--types", default="Q4_0,Q4_1,Q5_0,Q8_0,Q4_K,Q5_K,Q6_K,IQ4_XS,MXFP4",
                     help="GGUF types to time alone, comma-separated ('' for none)")
     ap.add_argument("--no-attention", action="store_true")
+    ap.add_argument("--model", default="", help="time one decode step's linears of this GGUF file instead")
+    ap.add_argument("--source", default="", help="build and time this copy of kernels/cpu/")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="count this thread's CPU time, not wall time (with --threads 1: steadier on a busy machine)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.source:
+        cpu_ops.SOURCE_DIR = Path(args.source).resolve()
+    if args.cpu_time:
+        global CLOCK
+        CLOCK = time.thread_time
     if not cpu_ops.has_gguf_kernels():
         raise SystemExit("localllm's GGUF CPU kernels are not available here (x86-64-v3 and a C++ compiler)")
     ops = torch.ops.localllm_cpu
     print(f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    if args.model:
+        model_step(args.model, args)
+        return
     weights = [(k, ops.gguf_repack(random_blocks(n, k, Q4_1), Q4_1, k), Q4_1) for _ in range(LAYERS) for n, k in SHAPES]
     weights.append((HEAD[1], ops.gguf_repack(random_blocks(*HEAD, Q8_0), Q8_0, HEAD[1]), Q8_0))
     total = sum(sum(t.numel() * t.element_size() for t in p) for _, p, _ in weights)
@@ -167,6 +190,40 @@ def type_pass(name: str, bw: float, args: argparse.Namespace) -> None:
         best = timed(one_pass, args.reps, best=True)
         line.append(f"M={m} {best * 1e3:6.2f} ms ({best / roof:.2f}x)")
     print("  ".join(line), flush=True)
+
+
+def model_step(path: str, args: argparse.Namespace) -> None:
+    """Every 2-D tensor of a GGUF file as a linear in its own type (the embedding, when no
+    output tensor exists, as the tied head), random blocks: a decode step's linears at each
+    --rows, per type (ms, and share of the step), the step repeated --reps times."""
+    from gguf import GGUFReader
+
+    ops = torch.ops.localllm_cpu
+    reader = GGUFReader(path)
+    names = {t.name for t in reader.tensors}
+    weights: list[tuple[str, int, list[torch.Tensor], int]] = []  # (type name, K, packed, type id)
+    for t in reader.tensors:
+        if len(t.shape) != 2 or (t.name == "token_embd.weight" and "output.weight" in names):
+            continue
+        k, n = (int(v) for v in t.shape)
+        f = gf.fmt(int(t.tensor_type))
+        if not f.cpu_kernel:
+            continue
+        weights.append((f.name, k, ops.gguf_repack(type_blocks(f.name, n, k), f.type_id, k), f.type_id))
+    size = sum(sum(p.numel() * p.element_size() for p in w) for _, _, w, _ in weights)
+    print(f"{Path(path).name}: {len(weights)} linears, {size / 1e6:.0f} MB packed, levels={args.levels}")
+    for m in (int(r) for r in args.rows.split(",")):
+        xs = {k: torch.randn(m, k) for k in {k for _, k, _, _ in weights}}
+        per: dict[str, list[float]] = {}
+        for _ in range(args.reps):
+            for name, k, w, t in weights:
+                t0 = CLOCK()
+                ops.gguf_linear(xs[k], w, t, args.levels)
+                per.setdefault(name, []).append(CLOCK() - t0)
+        by_type = {name: sum(v) / args.reps for name, v in per.items()}
+        step = sum(by_type.values())
+        parts = "  ".join(f"{name} {v * 1e3:.2f}" for name, v in sorted(by_type.items(), key=lambda kv: -kv[1]))
+        print(f"  M={m:3d}: step {step * 1e3:7.2f} ms ({step * 1e3 / m:6.3f} ms/row); by type (ms): {parts}", flush=True)
 
 
 if __name__ == "__main__":

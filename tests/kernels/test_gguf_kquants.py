@@ -1,7 +1,8 @@
 """The GGUF block kernels on every packed type (kernels/cpu/gguf): the dense expansion is the
 gguf package's own dequantization bit for bit, and the integer linear matches x @ W^T on
 those exact weights within the two-level int8 activations' error, at M = 1, 16 and a
-prefill-sized 70 (kernel row tiles of 4, 2 and 1 all used). Blocks are made by the gguf
+prefill-sized 70 (kernel row tiles of 4, 2 and 1 all used, and with AMX the 16-row kernel),
+each row bit for bit what it is alone. Blocks are made by the gguf
 package's quantizer where it has one, else random bytes with sane fp16 fields (every bit
 pattern is a valid block); and on the real Gemma 3 270M Q4_K_M file's tensors when that
 fixture is on this machine."""
@@ -77,8 +78,11 @@ def check(lin: GGUFLinear, blocks: torch.Tensor, name: str, rows: tuple[int, ...
         assert ((y.double() - quantized_x(x, 2).double() @ w.T).abs() / scale).max() < 1e-5, (name, m)
         # and two levels carry ~14 bits of each activation block: ~1e-4 of the float product
         assert ((y.double() - ref).abs() / scale).max() < 2e-3, (name, m)
-        one = torch.ops.localllm_cpu.gguf_linear(x[-1:], lin.packed, lin.block_type, 2)
-        assert torch.equal(one[0], y[-1])  # a row's result does not depend on the batch
+        # a row's result does not depend on the batch: rows in whole 16s (the AMX kernel where
+        # the CPU has it) and the rows past them (the VNNI row tiles) alike
+        for i in {0, m // 2, m - 1}:
+            one = torch.ops.localllm_cpu.gguf_linear(x[i : i + 1], lin.packed, lin.block_type, 2)
+            assert torch.equal(one[0], y[i]), (name, m, i)
 
 
 @pytest.mark.parametrize("name", KERNEL_TYPES)

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import logging
 import os
 import sys
 import traceback
@@ -168,14 +170,37 @@ def set_openmp_defaults(env: MutableMapping[str, str]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The console script. ``argv`` None: this process's own command line, which ends the
+    process when a background compile still runs (``_exit_past_compile``)."""
     set_openmp_defaults(os.environ)
     try:
-        return _main(argv)
+        code = _main(argv)
     except BrokenPipeError:
         # The reader went away (`localllm models | head -1`): it has what it wanted, so this is
         # no error. stdout now points at /dev/null, so the interpreter's last flush cannot fail.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+        code = 0
+    if argv is None:
+        _exit_past_compile(code)
+    return code
+
+
+def _exit_past_compile(code: int) -> None:
+    """Ends the process now with ``code`` when a background compile is still running (ctrl+c
+    skipped `run`'s wait for it; a chat or server quit mid-compile): its compilers first, then
+    stdout, stderr and logging flushed, then ``os._exit``. The interpreter's own exit would
+    stop the compile thread wherever it is, and stopped inside torch's C++ it aborts the
+    process ("terminate called without an active exception", exit 134: CPython 3.11 ends a
+    daemon thread by unwinding it through a noexcept destructor)."""
+    runner = sys.modules.get("localllm.engine.model_runner")  # never imported: nothing compiled
+    if runner is None or not runner.compile_running():
+        return
+    runner.stop_compilers()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)
 
 
 def _main(argv: Sequence[str] | None) -> int:

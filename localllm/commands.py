@@ -57,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
         if llm is not None:
             if args.json:  # the report holds memory against the plan: the whole KV pool, held by then
                 llm.runner.kv_cache.wait_reserved()
+                if not llm.runner.compiling:  # and the saved graphs (with Dynamo), loading after the first step
+                    llm.runner.wait_compiled()
             meter.stop()
             _finish_optimizing(llm)
     finally:

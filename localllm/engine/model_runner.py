@@ -22,7 +22,7 @@ import logging
 import os
 import sys
 import threading
-import weakref
+import time
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -106,9 +106,12 @@ class ModelRunner:
         # eager); written by the compile thread, then by _use_graphs
         self.compile_state = ""
         self._compile_thread: threading.Thread | None = None
+        self._compile_done = threading.Event()  # the compile thread has ended
         self._built: dict[int, Callable[..., torch.Tensor]] | None = None  # built, not yet switched to
         self._cancelled = False  # stop_compile() was called: the compile thread stops at its next graph
-        self._stepped = threading.Event()  # the first step has run (the compile thread waits for it)
+        # the first step has begun / has ended (the compile thread waits for them)
+        self._stepping = threading.Event()
+        self._stepped = threading.Event()
         # the CPUs the forward's OpenMP threads are bound to, one per core (None: the OS places them)
         self.thread_cpus = _thread_cpus() if self.device.type == "cpu" else None
         self._bound_for_good: threading.Thread | None = None  # the thread keep_threads_bound bound
@@ -181,11 +184,14 @@ class ModelRunner:
         On a CPU the calling thread's OpenMP team runs bound to ``thread_cpus``; the calling
         thread gets its own affinity back afterwards unless ``keep_threads_bound`` made it
         the engine's own (it may be the caller's, whose later threads would inherit it)."""
-        with self._bound_threads():
-            out = self._execute(batch)
-        if not self._stepped.is_set():
-            self._stepped.set()
-        return out
+        if not self._stepping.is_set():
+            self._stepping.set()
+        try:
+            with self._bound_threads():
+                return self._execute(batch)
+        finally:
+            if not self._stepped.is_set():
+                self._stepped.set()
 
     def keep_threads_bound(self) -> None:
         """Binds the calling thread's team for good: for a thread that only runs the engine.
@@ -292,11 +298,6 @@ class ModelRunner:
         a low-priority thread while the static-buffer eager path serves, and the engine thread
         switches to the compiled graphs between two steps (``_switch``); without, it is all
         done now."""
-        # Imports Inductor, and Dynamo with it, here on the engine thread before the compile thread
-        # starts: the first eager forward imports Dynamo too (the CPU attention is a custom op,
-        # which torch wraps to disable Dynamo), and the two threads importing torch's modules at
-        # once handed the graph loader half-initialised ones (a saved graph then failed to load)
-        _use_our_inductor_cache()
         # cpp_wrapper: the graph's ~30 x 25 kernel calls run from generated C++, not from a
         # generated Python function (measured: median step 36 -> 24 ms under load)
         cpp_wrapper = os.environ.get("LOCALLLM_CPP_WRAPPER", "1") != "0"
@@ -304,21 +305,34 @@ class ModelRunner:
         key = self._graph_key(cpp_wrapper)
         paths = {b: _graphs_dir() / f"decode-{key}-{'1' if b == 1 else 'n'}.bin" for b in sizes}
         self._decode_call = self._run_bucket_eager  # until the graphs are in
-        self.compile_state = "loading"
+        missing = [b for b in sizes if not paths[b].is_file()]
+        # "compiling" from the start when a graph will be built: `run` waits for it to save it
+        # for the next start, /health says "optimizing" (the thread imports Inductor first)
+        self.compile_state = "compiling" if missing else "loading"
         work = (cpp_wrapper, sizes, paths, progress)
         if not background:
             self._prepare_graphs(*work)
             self._switch()
             return
         # daemon: a process that exits (the TUI's ctrl+q, a finished `run`) never waits on it
-        self._compile_thread = threading.Thread(target=self._prepare_graphs, args=work, name="localllm-compile",
-                                                daemon=True)
+        self._compile_thread = threading.Thread(target=self._compile_in_background, args=work,
+                                                name="localllm-compile", daemon=True)
         _COMPILE_THREADS.add(self._compile_thread)
         _stop_compilers_at_exit()
-        missing = [b for b in sizes if not paths[b].is_file()]
         if missing and progress is not None:  # told now, before the first answer streams, not in the middle of it
             progress(COMPILING_STAGE, 0, len(missing))
         self._compile_thread.start()
+
+    def _compile_in_background(
+        self, cpp_wrapper: bool, sizes: list[int], paths: dict[int, Path],
+        progress: Callable[[str, int, int], None] | None,
+    ) -> None:
+        """The compile thread: ``_prepare_graphs``, then off the list of running compiles."""
+        try:
+            self._prepare_graphs(cpp_wrapper, sizes, paths, progress)
+        finally:
+            _COMPILE_THREADS.discard(threading.current_thread())
+            self._compile_done.set()
 
     def _prepare_graphs(
         self, cpp_wrapper: bool, sizes: list[int], paths: dict[int, Path],
@@ -329,12 +343,20 @@ class ModelRunner:
         background = threading.current_thread() is self._compile_thread
         if background:
             _lower_priority()
-            # Loading the graphs (seconds of Python, holding the GIL) would slow the eager first
-            # answer: start once the first step is done, or after a quiet second
-            self._stepped.wait(FIRST_STEP_GRACE_S)
+            # Importing Inductor and loading the graphs (seconds of Python, holding the GIL)
+            # would slow the eager first answer: start once the first step is done, however long
+            # it takes (a loaded machine: seconds), or after a second with no step begun (a
+            # server or chat with no request yet: nothing to slow down)
+            if self._stepping.wait(FIRST_STEP_GRACE_S):
+                self._stepped.wait()
             if self._cancelled:  # shut down meanwhile
                 self.compile_state = "failed"
                 return
+        # Imports Inductor, and Dynamo with it (~1-4 s), on this thread, after the first step: the
+        # eager path never imports them (custom ops are called as plain functions there:
+        # kernels/opaque_op.py), so no other thread imports torch's modules meanwhile (two at once
+        # handed the graph loader half-initialised ones: a saved graph then failed to load)
+        _use_our_inductor_cache()
         report = progress if progress is not None and not background else None  # seconds: no bar mid-answer
         graphs: dict[int, Callable[..., torch.Tensor]] = {}
         on_disk = [b for b in sizes if paths[b].is_file()]
@@ -433,16 +455,26 @@ class ModelRunner:
         processes end now, and the thread ends with the step it is in, saving nothing."""
         if self.preparing:
             self._cancelled = True
+            self._stepping.set()  # a compile thread waiting for the first step goes on, to stop
+            self._stepped.set()
             stop_compilers()
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Waits for a background compile to end (built, saved, or failed); True when none is
-        running any more. The next step switches to the graphs."""
-        thread = self._compile_thread
-        if thread is not None:
-            thread.join(timeout)
-            return not thread.is_alive()
-        return True
+        running any more. The next step switches to the graphs. Joins in short slices: a
+        ctrl+c that the kernel hands to another thread of the process leaves a plain join
+        asleep, and the slices let the main thread see it (KeyboardInterrupt) at once. Not
+        ``Thread.join``: one that ctrl+c interrupts marks the thread stopped while it runs on
+        (CPython 3.11), so ``is_alive()`` lies after it."""
+        if self._compile_thread is None:
+            return True
+        end = None if timeout is None else time.monotonic() + timeout
+        while not self._compile_done.is_set():
+            left = JOIN_SLICE_S if end is None else min(JOIN_SLICE_S, end - time.monotonic())
+            if left <= 0:
+                break
+            self._compile_done.wait(left)
+        return self._compile_done.is_set()
 
     def _mark_dynamic(self, b: int) -> None:
         """Makes the sizes that do not change the math dynamic dimensions of the graph traced
@@ -565,15 +597,23 @@ class ModelRunner:
 
 
 LOADING_STAGE = "loading the decode step optimized for this CPU"
-# How long the background compile thread waits for the first step before it starts anyway
-# (a server or chat with no request yet: nothing to slow down)
+# How long the background compile thread waits for a first step to begin before it starts
+# anyway (a server or chat with no request yet: nothing to slow down); a step begun, it waits
+# for its end
 FIRST_STEP_GRACE_S = 1.0
 COMPILING_STAGE = "optimizing for this CPU in the background (first run only)"
 
 
-# The background compile threads of this process, for the exit hook.
-_COMPILE_THREADS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+# The background compile threads of this process still at work (each takes itself off at its
+# end), for the exit hooks. Not Thread.is_alive(): see wait_compiled.
+_COMPILE_THREADS: set[threading.Thread] = set()
 _exit_hook_set = False
+JOIN_SLICE_S = 0.2
+
+
+def compile_running() -> bool:
+    """Whether a background compile thread of this process is still at work."""
+    return bool(_COMPILE_THREADS)
 
 
 def stop_compilers() -> None:
@@ -605,7 +645,7 @@ def _stop_compilers_at_exit() -> None:
     _exit_hook_set = True
 
     def hook() -> None:
-        if any(t.is_alive() for t in list(_COMPILE_THREADS)):
+        if compile_running():
             stop_compilers()
 
     register = getattr(threading, "_register_atexit", None)

@@ -18,8 +18,8 @@ Workloads:
   chats decode the same number of tokens, once free and once under a JSON schema that cannot
   end sooner; inter-token latency (one step) and throughput of each, and the ratio (target:
   the grammar costs at most 10% of decode throughput).
-- ``spec`` (only when asked for; local engine): speculative decoding (n-gram proposals) on
-  and off, trials alternating so that load drift falls on both: single-stream decode speed
+- ``spec`` (only when asked for; local engine): speculative decoding (n-gram proposals, or
+  the draft model of ``--draft-model`` / ``--speculative-config``) on and off, trials alternating so that load drift falls on both: single-stream decode speed
   on a code file repeated and a RAG quote (replies that copy long spans of the prompt) and on sampled
   prose, and 16 concurrent chats' throughput; with each case's acceptance rate.
 
@@ -859,6 +859,8 @@ def format_report(r: dict[str, Any]) -> str:
     if spec:
         cfg = spec["config"]
         how = f"{cfg['method']}, k <= {cfg['num_speculative_tokens']}" if cfg else "as the server was started"
+        if cfg and cfg.get("model"):
+            how += f", draft {cfg['model']}"
         modes = spec["modes"]
         lines += ["", f"spec: speculative decoding ({how}), single-stream decode tok/s, median of {SPEC_TRIALS} trials",
                   f"  {'case':<11} " + " ".join(f"{m + ' tok/s':>12}" for m in modes) + f" {'on/off':>7} {'accepted':>9}"]

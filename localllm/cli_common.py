@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 Progress = Callable[[str, int, int], None]
 
 MODEL_HELP = "catalog name, HF repo id, local HF folder or .gguf file (default: the embedded default)"
+# --draft-model's proposals a step when --speculative-config does not say (vLLM's examples use 2-5)
+DRAFT_TOKENS = 4
 QUANT_METHODS = "{quant methods}"  # filled in from localllm.quant.methods.METHODS when help is shown
 
 
@@ -66,6 +68,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         ' disable_by_batch_size, default 4)')
     p.add_argument("--speculative-ngram", type=int, default=None, metavar="K",
                    help="shorthand for --speculative-config with the n-gram method proposing up to K tokens a step")
+    p.add_argument("--draft-model", default=None, metavar="PATH|ID",
+                   help="speculative decoding with this small model of the same tokenizer proposing tokens"
+                        f" (up to {DRAFT_TOKENS} a step; with --speculative-config, its num_speculative_tokens)")
 
 
 def add_kv_cache_args(p: argparse.ArgumentParser) -> None:
@@ -97,11 +102,22 @@ def speculative_from_args(args: argparse.Namespace) -> SpeculativeConfig | None:
     from localllm.engine.spec_decode import SpeculativeConfig, speculative_config  # no torch
 
     given, k = getattr(args, "speculative_config", None), getattr(args, "speculative_ngram", None)
+    draft = getattr(args, "draft_model", None)
     if given is not None and k is not None:
         raise LocalLLMError("--speculative-config and --speculative-ngram exclude each other; give one")
+    if draft is not None and k is not None:
+        raise LocalLLMError("--draft-model and --speculative-ngram exclude each other; give one")
     if k is not None:
         return SpeculativeConfig(num_speculative_tokens=k)
-    return speculative_config(given)
+    config = speculative_config(given)
+    if draft is None:
+        return config
+    if config is None:
+        return SpeculativeConfig(method="draft_model", model=draft, num_speculative_tokens=DRAFT_TOKENS)
+    if config.method != "draft_model" and isinstance(given, str) and "method" in json.loads(given):
+        raise LocalLLMError(f"--draft-model and --speculative-config's method {config.method!r} exclude each other")
+    fields = {f: getattr(config, f) for f in SpeculativeConfig.__dataclass_fields__}
+    return SpeculativeConfig(**{**fields, "method": "draft_model", "model": draft})
 
 
 def given_sampling(args: argparse.Namespace) -> dict[str, Any]:

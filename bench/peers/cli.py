@@ -18,6 +18,10 @@ Measures (``--only``, default all):
 - ``seq8``: 8 requests one after another, 128 tokens each, through the servers.
 - ``server8``, ``server16``: 8 and 16 concurrent streams, 128 tokens each, aggregate output tok/s.
 - ``prefix``: a 1,516-token prompt, cold TTFT, then the same prompt again (prefix cache hit).
+- ``spec`` (only when named): each server with its n-gram speculation on (ours
+  ``--speculative-ngram 10``, llama-server ``--spec-type ngram-simple``), one greedy stream of
+  a reply that copies its prompt (a code file to repeat) and one of prose; decode tok/s (the
+  tokens after the first over the time after it).
 
 Servers: ``llama-server -np 16 -c 32768 -t T`` and ``localllm serve --max-num-seqs 16``, each
 started fresh for every trial and measured once ``/health`` answers 200 (llama-server answers
@@ -51,16 +55,17 @@ from .build import ENV_DIR, build_llama_cpp, find_llama_cpp, peers_cache
 from .environment import PeerError, machine
 from .processes import llama_cpp_python_available
 from .report import format_report
-from .run import MEASURES, Options, run_peers
+from .run import EXTRA_MEASURES, MEASURES, Options, run_peers
 
 
 def _measures(text: str) -> tuple[str, ...]:
     items = tuple(x.strip() for x in text.split(",") if x.strip())
-    bad = [x for x in items if x not in MEASURES]
+    known = MEASURES + EXTRA_MEASURES
+    bad = [x for x in items if x not in known]
     if bad or not items:
         raise argparse.ArgumentTypeError(f"unknown measure {', '.join(bad) or repr(text)} "
-                                         f"(choose from {', '.join(MEASURES)})")
-    return tuple(m for m in MEASURES if m in items)  # the documented order, whatever the order given
+                                         f"(choose from {', '.join(known)})")
+    return tuple(m for m in known if m in items)  # the documented order, whatever the order given
 
 
 def _positive(text: str) -> int:
@@ -76,7 +81,8 @@ def _positive(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="bench/peers.py", description=(__doc__ or "").split("\n\n")[0],
-        epilog="Measures: " + ", ".join(MEASURES) + ". See the module docstring for what each one runs.",
+        epilog="Measures: " + ", ".join(MEASURES) + f"; only when named: {', '.join(EXTRA_MEASURES)}. "
+               "See the module docstring for what each one runs.",
     )
     p.add_argument("--model", "-m", default=None,
                    help="a GGUF file or a pulled GGUF model's name (default: the default model's file in the store)")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from localllm.bench import TOPICS, percentile, prose
+from localllm.bench import TOPICS, code_file, percentile, prose
 
 from .environment import PeerError
 
@@ -150,3 +150,25 @@ async def server_prefix(client: AsyncOpenAI, model: str, messages: list[dict[str
     cold = await stream_chat(client, model, messages, 4)
     hit = await stream_chat(client, model, messages, 4)
     return {"cold_ttft_s": cold.ttft_s, "hit_ttft_s": hit.ttft_s, "prompt_tokens": cold.prompt_tokens}
+
+
+def decode_rate(r: StreamResult) -> float | None:
+    """Tokens after the first over the time after it: the decode speed, the prompt's prefill
+    left out (what speculation changes)."""
+    if r.ttft_s is None or r.end_s <= r.ttft_s or r.output_tokens < 2:
+        return None
+    return (r.output_tokens - 1) / (r.end_s - r.ttft_s)
+
+
+async def server_spec(client: AsyncOpenAI, model: str, tokens: int, nonce: str) -> dict[str, Any]:
+    """One stream, greedy, of a reply that copies its prompt (a code file to repeat: what
+    n-gram speculation is for), then one of prose (where it should step aside); each one's
+    decode speed."""
+    code = code_file(8, nonce)
+    copy = [{"role": "user", "content": f"Repeat this file exactly.\n\n```python\n{code}```"}]
+    a = await stream_chat(client, model, copy, tokens)
+    b = await stream_chat(client, model, story(nonce, 0), tokens)
+    return {"code_tok_s": decode_rate(a), "prose_tok_s": decode_rate(b),
+            "prompt_tokens": sorted({r.prompt_tokens for r in (a, b) if r.prompt_tokens is not None}),
+            "short_streams": sum(r.output_tokens != tokens for r in (a, b)), "tokens": a.output_tokens + b.output_tokens,
+            "code_ttft_s": a.ttft_s, "code_text_head": a.text[:80]}

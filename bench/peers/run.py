@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from .build import LlamaCpp, llama_cpp_version
 from .client import CHAT_SAMPLING, exact_ids, load_tokenizer, prompt_of, server_concurrent, server_prefix, \
-    server_sequential, stream_chat
+    server_sequential, server_spec, stream_chat
 from .environment import OPENMP_VARS, USER_OPENMP, PeerError, llama_cpp_env, machine
 from .processes import DECODE_PROMPT, OurEngine, Server, free_port, llama_bench_cmd, llama_cpp_python_available, \
     localllm_cmd, run_llama_bench, run_llama_cpp_python
@@ -28,6 +28,11 @@ if TYPE_CHECKING:
     from localllm.tokenizer import Tokenizer
 
 MEASURES = ("single", "prefill", "sampled", "seq8", "server8", "server16", "prefix")
+# run only when named in --only: each side's n-gram speculation (issue 31)
+EXTRA_MEASURES = ("spec",)
+# our n-gram speculation's most proposals a step (the adaptive k picks at or below it);
+# llama-server's ngram-simple runs with its own defaults (a 12-token lookup, up to 48 drafted)
+SPEC_K = 10
 SERVER_SLOTS, SERVER_CONTEXT = 16, 32768
 
 
@@ -47,16 +52,18 @@ class Options:
     say: Callable[[str], None]
 
 
-def our_server_argv(o: Options, port: int) -> list[str]:
+def our_server_argv(o: Options, port: int, spec: bool = False) -> list[str]:
     argv = [*localllm_cmd(), "serve", "--model", str(o.gguf), "--host", "127.0.0.1", "--port", str(port),
             "--max-num-seqs", str(SERVER_SLOTS), "--dtype", o.dtype]
+    argv += ["--speculative-ngram", str(SPEC_K)] if spec else []
     return argv + (["--quant", o.quant] if o.quant else [])
 
 
-def their_server_argv(o: Options, port: int) -> list[str]:
+def their_server_argv(o: Options, port: int, spec: bool = False) -> list[str]:
     assert o.llama.server is not None
-    return [str(o.llama.server), "-m", str(o.gguf), "--host", "127.0.0.1", "--port", str(port),
+    argv = [str(o.llama.server), "-m", str(o.gguf), "--host", "127.0.0.1", "--port", str(port),
             "-np", str(SERVER_SLOTS), "-c", str(SERVER_CONTEXT), "-t", str(o.threads)]
+    return argv + (["--spec-type", "ngram-simple"] if spec else [])
 
 
 def _show(argv: list[str], env: dict[str, str] | None = None) -> str:
@@ -170,9 +177,10 @@ class Bench:
         prefix_messages = prompt_of(self.tokenizer, o.prefix_tokens, nonce) if measure == "prefix" else None
         for side, argv_of, env, shown_env in sides:
             port = free_port()
-            argv = argv_of(o, port)
+            argv = argv_of(o, port, measure == "spec")
             name = "localllm serve" if side == "localllm" else "llama-server"
-            self.commands.setdefault("servers", {})[side] = _show(argv, shown_env).replace(f" {port}", " PORT")
+            shown = _show(argv, shown_env).replace(f" {port}", " PORT")
+            self.commands.setdefault("spec_servers" if measure == "spec" else "servers", {})[side] = shown
             o.say(f"{measure} trial {trial + 1}/{o.trials}: {name}")
             async with Server(name, argv, port, env, o.ready_timeout_s) as server:
                 value = await self._measure_server(measure, server.base, nonce, prefix_messages)
@@ -191,6 +199,8 @@ class Bench:
                 return await server_sequential(client, model, 8, o.tokens, nonce)
             if measure == "sampled":
                 return await server_sequential(client, model, 1, o.tokens, nonce, CHAT_SAMPLING)
+            if measure == "spec":
+                return await server_spec(client, model, o.tokens, nonce)
             if measure in ("server8", "server16"):
                 return await server_concurrent(client, model, int(measure.removeprefix("server")), o.tokens, nonce)
             assert prefix_messages is not None
@@ -198,7 +208,11 @@ class Bench:
 
     def _record(self, measure: str, side: str, value: dict[str, Any]) -> None:
         o = self.o
-        if measure == "prefix":
+        if measure == "spec":
+            rows = [(self.row("spec_code", f"server: 1 stream, n-gram speculation on, code copy, {o.tokens} tokens, "
+                                           "decode", "tok/s"), "code_tok_s"),
+                    (self.row("spec_prose", "  same, prose (a story), decode", "tok/s"), "prose_tok_s")]
+        elif measure == "prefix":
             rows = [(self.row("prefix_cold", f"{o.prefix_tokens:,}-token prompt, cold TTFT", "s"), "cold_ttft_s"),
                     (self.row("prefix_hit", "  same prompt again (prefix cache hit), TTFT", "s"), "hit_ttft_s")]
         else:

@@ -31,15 +31,16 @@ from localllm.engine.guided import GrammarCompiler
 from localllm.engine.model_runner import ModelRunner
 from localllm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestState, joined
 from localllm.engine.batch_invariant import make_batch_invariant
-from localllm.engine.sampler import SamplerOutput, sample, skip_uniforms, verify_drafts
+from localllm.engine.sampler import SamplerOutput, sample, skip_uniforms, target_probs, verify_drafts
 from localllm.engine.scheduler import Scheduler
 from localllm.engine.sequence import SamplingParams, Sequence, SequenceStatus, choice_seed
-from localllm.engine.spec_decode import SpeculativeConfig, speculative_config
+from localllm.engine.spec_decode import SpeculativeConfig, rejection_sample, speculative_config
 from localllm.errors import LocalLLMError
 from localllm.kernels import cpu_ops
 from localllm.tokenizer import IncrementalDetokenizer, Message
 
 if TYPE_CHECKING:
+    from localllm.engine.draft_model import DraftModel
     from localllm.hardware.planner import Plan
     from localllm.tokenizer import Tokenizer
 
@@ -73,7 +74,8 @@ class EngineConfig:
     # the same tokens for a prompt alone or in any batch (engine/batch_invariant.py); decodes eagerly
     deterministic: bool = False
     # speculative decoding, vLLM's dict: {"method": "ngram", "num_speculative_tokens": 5,
-    # "prompt_lookup_max": 4} (engine/spec_decode.py); None: off
+    # "prompt_lookup_max": 4} or {"method": "draft_model", "model": ..., "num_speculative_tokens": 4}
+    # (engine/spec_decode.py); None: off
     speculative_config: SpeculativeConfig | dict[str, int | str] | str | None = None
 
 
@@ -170,6 +172,10 @@ class LLMEngine:
             config.max_num_seqs or self.plan.max_num_seqs,
             speculative=self.speculative,
         )
+        # the draft model (speculative method "draft_model"), made once and kept when switched off
+        self.drafter: DraftModel | None = None
+        if self.speculative is not None and self.speculative.method == "draft_model":
+            self._load_drafter(self.speculative, progress)
         self.guided = GrammarCompiler(self.tokenizer, loaded.model.config.vocab_size)
         self.requests: dict[str, RequestState] = {}  # live requests only: a finished one leaves at once
         self._ids = itertools.count()
@@ -180,6 +186,24 @@ class LLMEngine:
         self._prompt_tokens = 0
         self._max_batch = 0
         self._spec_counts = [0, 0, 0]  # verify steps, proposed tokens, accepted tokens
+
+    def _load_drafter(self, spec: SpeculativeConfig, progress: Callable[[str, int, int], None] | None = None) -> None:
+        """Loads ``spec.model`` as the draft model, on the target's device with a pool of as
+        many blocks (it mirrors every sequence), in its own plan's precision (a GGUF draft
+        keeps its blocks: a draft is there to be fast); refused when its tokenizer differs."""
+        from localllm.engine.draft_model import DraftModel
+
+        assert spec.model is not None
+        config = self.config
+        self.drafter = DraftModel(
+            spec.model, self.tokenizer, self.runner.model.config.vocab_size,
+            num_blocks=self.block_manager.num_blocks, block_size=config.block_size, max_model_len=self.max_model_len,
+            # the draft's own plan (dtype auto): its fastest, not the target's precision
+            dtype="auto", device=str(self.device), max_num_seqs=self.scheduler.max_num_seqs,
+            compile=self._compiles(config), compile_in_background=config.compile_in_background,
+            decode_buckets=config.decode_buckets, progress=progress,
+        )
+        self.scheduler.drafter = self.drafter
 
     @staticmethod
     def _compiles(config: EngineConfig) -> bool:
@@ -267,8 +291,10 @@ class LLMEngine:
         # read before the drafts are cleared (Scheduler.end_verify)
         spec_rows = sum(n for s, n in zip(batch.seqs, batch.num_new_tokens) if s.spec_token_ids)
         num_spec = batch.num_speculative
+        # an n-gram verify's seeded draws are rewound (``_verify``); a draft model's are its own
         seeded = {s: s.generator.get_state() for s in sampling_seqs
-                  if s.spec_token_ids and s.generator is not None and not s.params.greedy}
+                  if s.spec_token_ids and s.generator is not None and not s.params.greedy
+                  and s.spec is not None and s.spec.draft_probs is None}
         sampled, failed = self._sample(sampling_seqs, logits)
         self.scheduler.update(batch, [(seq, out.token_ids[row]) for seq, out, row in sampled
                                       if not seq.spec_token_ids])
@@ -348,6 +374,8 @@ class LLMEngine:
             try:
                 out = sample(logits, [s for s, c in zip(seqs, counts) for _ in range(c)],
                              [g for g, c in zip(grammars, counts) for _ in range(c)])
+                for i, s in enumerate(seqs):
+                    _reject_drafts(s, out, starts[i], logits[starts[i] : starts[i] + counts[i]])
                 return [(s, out, starts[i]) for i, s in enumerate(seqs)], []
             except Exception:  # noqa: BLE001 - find out which rows it was
                 logger.exception("batched sampling failed; sampling the %d rows one at a time", len(seqs))
@@ -358,7 +386,10 @@ class LLMEngine:
             for i, s in enumerate(seqs):
                 try:
                     c = counts[i]
-                    sampled.append((s, sample(logits[starts[i] : starts[i] + c], [s] * c, [grammars[i]] * c), 0))
+                    rows = logits[starts[i] : starts[i] + c]
+                    out = sample(rows, [s] * c, [grammars[i]] * c)
+                    _reject_drafts(s, out, 0, rows)
+                    sampled.append((s, out, 0))
                 except Exception as e:  # noqa: BLE001 - this request's own failure
                     failed.append((s, _request_error(e, "sampling its token")))
         return sampled, failed
@@ -407,6 +438,8 @@ class LLMEngine:
         """Speculative decoding from the next step on with ``config`` (None: off); returns the
         config before. For benchmarks that compare both on one engine; call it on the thread
         that steps."""
+        if config is not None and config.method == "draft_model" and self.drafter is None:
+            self._load_drafter(config)
         before, self.speculative = self.speculative, config
         self.scheduler.speculative = config
         return before
@@ -510,6 +543,27 @@ class LLMEngine:
             results.append(RequestOutput(first.request_id, first.prompt, first.prompt_token_ids, outs,
                                          True, first.num_cached_tokens, first.metrics))
         return results
+
+
+def _reject_drafts(seq: Sequence, out: SamplerOutput, row: int, logits: torch.Tensor) -> None:
+    """A draft model's sampled proposals (``seq.spec.draft_probs``: the q each was drawn from):
+    rows ``row..row + k`` of ``out`` become the tokens ``rejection_sample`` yields (the kept
+    drafts, then the target's replacement or its own draw after the last), so that
+    ``verify_drafts`` keeps exactly those; their logprobs follow. ``logits``: the target's
+    rows of this sequence."""
+    spec = seq.spec
+    if spec is None or spec.draft_probs is None or not spec.drafts:
+        return
+    k = len(spec.drafts)
+    p = target_probs(logits, [seq] * (k + 1))
+    u = torch.rand(2 * k, dtype=torch.float64, generator=seq.generator).tolist()
+    tokens, _ = rejection_sample(p, spec.draft_probs.to(p.device), spec.drafts, out.token_ids[row + k], u)
+    raw = torch.log_softmax(logits, dim=-1) if out.logprobs is not None else None
+    for j, token in enumerate(tokens):
+        if out.token_ids[row + j] != token:
+            out.token_ids[row + j] = token
+            if raw is not None and out.logprobs is not None:
+                out.logprobs[row + j] = float(raw[j, token])
 
 
 def _request_error(e: Exception, stage: str) -> Exception:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from localllm.engine.guided import mask_logits
-from localllm.engine.sequence import PenaltyState, Sequence, TokenColumn
+from localllm.engine.sequence import PenaltyState, SamplingParams, Sequence, TokenColumn
 from localllm.kernels import cpu_ops
 
 if TYPE_CHECKING:
@@ -123,6 +123,23 @@ def sample_rows_ref(
     """``sample_rows`` in torch ops: any device, any float dtype. The cuts' floors come from a
     sorted prefix of the likeliest tokens, grown until it holds them (a full sort of a 49k row
     takes 8.7 ms on a CPU)."""
+    w = cut_weights(logits, temps, top_ks, top_ps, min_ps)
+    f64, dev, vocab = torch.float64, logits.device, logits.shape[1]
+    cdf = w.cumsum(-1)
+    target = torch.tensor(u, dtype=f64, device=dev)[:, None] * cdf[:, -1:]
+    tokens = torch.searchsorted(cdf, target).squeeze(1).clamp_(max=vocab - 1)
+    greedy = [r for r in range(len(temps)) if temps[r] <= 0]
+    if greedy:
+        tokens[greedy] = argmax_rows(logits[greedy])
+    return tokens
+
+
+def cut_weights(
+    logits: torch.Tensor, temps: list[float], top_ks: list[int], top_ps: list[float], min_ps: list[float],
+) -> torch.Tensor:
+    """What ``sample_rows`` draws row r from (but for a greedy row): the probabilities of
+    softmax(logits[r] / temps[r]) that survive its cuts, float64, the others 0, not
+    renormalized."""
     rows, vocab = logits.shape
     dev = logits.device
     f64 = torch.float64
@@ -142,14 +159,7 @@ def sample_rows_ref(
             n = min(vocab, n * 8)
         floor[cut] = torch.maximum(floor[cut], cut_floor[:, None])
     w = probs.double()
-    w = torch.where(w >= floor, w, 0.0)
-    cdf = w.cumsum(-1)
-    target = torch.tensor(u, dtype=f64, device=dev)[:, None] * cdf[:, -1:]
-    tokens = torch.searchsorted(cdf, target).squeeze(1).clamp_(max=vocab - 1)
-    greedy = [r for r in range(rows) if temps[r] <= 0]
-    if greedy:
-        tokens[greedy] = argmax_rows(logits[greedy])
-    return tokens
+    return torch.where(w >= floor, w, 0.0)
 
 
 def _prefix_floors(vals: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor, vocab: int) -> tuple[torch.Tensor, bool]:
@@ -217,6 +227,22 @@ def _penalize(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return out
 
 
+def _cuts(params: list[SamplingParams], vocab: int) -> tuple[list[float], list[int], list[float], list[float]]:
+    """``sample_rows``' temperatures (0: greedy), top-k (the vocabulary size: off), top-p and
+    min-p, a row per request."""
+    return ([0.0 if p.greedy else p.temperature for p in params],
+            [p.top_k if 0 < p.top_k < vocab else vocab for p in params],  # top_k <= 0 (off) keeps every token
+            [p.top_p for p in params], [p.min_p for p in params])
+
+
+def target_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """The distribution ``sample`` draws each row of ``logits`` from (rows of sampled
+    requests without grammar or penalties: speculation's), float64, rows summing to 1: the p
+    of ``spec_decode.rejection_sample``."""
+    w = cut_weights(logits, *_cuts([s.params for s in seqs], logits.shape[-1]))
+    return w / w.sum(-1, keepdim=True)
+
+
 def sample(
     logits: torch.Tensor, seqs: list[Sequence], grammars: Seq[GrammarMatcher | None] = ()
 ) -> SamplerOutput:
@@ -230,20 +256,10 @@ def sample(
     logits = mask_logits(logits, grammars)  # structured output: only what each grammar allows next
     if any(p.has_penalties for p in params):
         logits = _penalize(logits, seqs)
-    greedy = [p.greedy for p in params]
-    if all(greedy):
+    if all(p.greedy for p in params):
         token_ids = argmax_rows(logits)
     else:
-        vocab = logits.shape[-1]
-        # top_k <= 0 (off) or >= the vocabulary keeps every token
-        token_ids = sample_rows(
-            logits,
-            [0.0 if g else p.temperature for g, p in zip(greedy, params)],
-            [p.top_k if 0 < p.top_k < vocab else vocab for p in params],
-            [p.top_p for p in params],
-            [p.min_p for p in params],
-            _uniforms(seqs),
-        )
+        token_ids = sample_rows(logits, *_cuts(params, logits.shape[-1]), _uniforms(seqs))
 
     ids = token_ids.tolist()
     if raw_logprobs is None:

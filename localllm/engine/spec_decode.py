@@ -1,4 +1,8 @@
-"""Speculative decoding with prompt-lookup (n-gram) proposals: no second model.
+"""Speculative decoding: what is proposed, how much of it, and what is kept.
+
+Two proposers: prompt lookup (n-gram, no second model: ``NgramIndex``) and a small draft model
+of the same tokenizer (``engine/draft_model.py`` runs it; ``scheduler.DraftProposer`` is what
+the scheduler sees of it). Either way the target verifies the proposals in one pass.
 
 A decoding sequence whose last few tokens also occur earlier in its own tokens (prompt and
 reply) proposes the tokens that followed that earlier occurrence; one forward pass then
@@ -30,29 +34,46 @@ import json
 from collections.abc import Mapping, Sequence as Seq
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 from localllm.errors import LocalLLMError
 
-METHODS = ("ngram",)
+if TYPE_CHECKING:
+    import torch
+
+METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 15  # 1 + k query rows stay within the CPU attention's in-place kernel (16)
 
 
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
     """vLLM's ``speculative_config`` names: ``{"method": "ngram", "num_speculative_tokens": k,
-    "prompt_lookup_max": n, "prompt_lookup_min": m, "disable_by_batch_size": b}``. ``k`` is the
+    "prompt_lookup_max": n, "prompt_lookup_min": m, "disable_by_batch_size": b}`` or
+    ``{"method": "draft_model", "model": path_or_id, "num_speculative_tokens": k}``. ``k`` is the
     most tokens proposed in one step (the adaptive k stays at or below it); an n-gram of
     ``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens is looked up; above ``b``
-    running sequences nothing is proposed."""
+    running sequences nothing is proposed. The method left out is "draft_model" when a
+    ``model`` is given (as vLLM infers it), else "ngram"."""
 
-    method: str = "ngram"
+    method: str | None = None
+    model: str | None = None  # the draft model (method "draft_model")
     num_speculative_tokens: int = 5
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     disable_by_batch_size: int = 4
 
     def __post_init__(self) -> None:
+        if self.method is None:
+            object.__setattr__(self, "method", "draft_model" if self.model is not None else "ngram")
         if self.method not in METHODS:
-            raise LocalLLMError(f"speculative_config: method {self.method!r} is not supported; use \"ngram\"")
+            raise LocalLLMError(f"speculative_config: method {self.method!r} is not supported; "
+                                "use \"ngram\" or \"draft_model\"")
+        if self.method == "draft_model" and (not isinstance(self.model, str) or not self.model):
+            raise LocalLLMError("speculative_config: method \"draft_model\" needs \"model\", "
+                                "a path or id of a small model with the same tokenizer")
+        if self.method == "ngram" and self.model is not None:
+            raise LocalLLMError("speculative_config: \"model\" is for method \"draft_model\"; "
+                                "leave it out for \"ngram\"")
         for name, lo, hi in (("num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS), ("prompt_lookup_max", 1, 64),
                              ("prompt_lookup_min", 1, 64), ("disable_by_batch_size", 1, 1 << 20)):
             v = getattr(self, name)
@@ -75,7 +96,8 @@ def speculative_config(value: SpeculativeConfig | Mapping[str, object] | str | N
             raise LocalLLMError(f"speculative_config: not valid JSON ({e})") from None
     if not isinstance(value, Mapping):
         raise LocalLLMError("speculative_config: must be a JSON object such as "
-                            "{\"method\": \"ngram\", \"num_speculative_tokens\": 5}")
+                            "{\"method\": \"ngram\", \"num_speculative_tokens\": 5} or "
+                            "{\"method\": \"draft_model\", \"model\": \"PATH\", \"num_speculative_tokens\": 4}")
     unknown = sorted(set(value) - set(SpeculativeConfig.__dataclass_fields__))
     if unknown:
         raise LocalLLMError(f"speculative_config: unknown field {unknown[0]!r}; known: "
@@ -117,7 +139,12 @@ class NgramIndex:
 
 # acceptance assumed before anything was measured, and how fast the measure follows the text
 PRIOR_ACCEPTANCE = 0.5
+# a draft model of the target's family usually agrees with it on most tokens (drafts in
+# Leviathan et al. and vLLM's reports keep 0.6-0.8 of them): its requests start, and drift
+# back, there
+PRIOR_DRAFT_ACCEPTANCE = 0.75
 ACCEPTANCE_WEIGHT = 0.25
+DRIFT_WEIGHT = 0.05
 
 
 @dataclass(slots=True, eq=False)
@@ -125,15 +152,26 @@ class SpecState:
     """A sequence's speculation. ``drafts``: the tokens proposed for the step being run (empty:
     a plain decode); ``shadow``: a proposal made but not run, checked against the next token;
     ``acceptance``: the chance that a proposed token is the target's own draw (an average
-    weighted toward recent tokens). Writer: the scheduler."""
+    weighted toward recent tokens); ``draft_probs``: for a draft model's sampled proposals,
+    the distribution each was drawn from (``[len(drafts), vocab]``, the q of
+    ``rejection_sample``; None: greedy proposals, or n-gram ones, a point mass). Writer: the
+    scheduler (``draft_probs``: the draft proposer it calls)."""
 
-    index: NgramIndex
+    index: NgramIndex | None
     drafts: list[int] = field(default_factory=list)
     shadow: int | None = None
     acceptance: float = PRIOR_ACCEPTANCE
+    draft_probs: torch.Tensor | None = None
+    prior: float = PRIOR_ACCEPTANCE  # where ``drift`` leads
 
     def observe(self, accepted: bool) -> None:
         self.acceptance += ACCEPTANCE_WEIGHT * (float(accepted) - self.acceptance)
+
+    def drift(self) -> None:
+        """A step without proposals and no shadow to check (a draft model is not run for
+        nothing): the measure drifts back toward the prior, so the request tries again later
+        and a text that turned predictable is found."""
+        self.acceptance += DRIFT_WEIGHT * (self.prior - self.acceptance)
 
     def record(self, proposed: int, accepted: int) -> None:
         """A verify step of ``proposed`` drafts kept ``accepted``: each draft up to the first
@@ -154,6 +192,9 @@ def expected_tokens(acceptance: float, k: int) -> float:
 # a decode step's time grows with its rows (a verify step is a decode step with a row per
 # position): per extra row, as a share of a one-row step, before anything is measured
 PRIOR_ROW_COST = 0.08
+# a draft model's step, as a share of the target's, before it was measured (a draft some 10x
+# smaller than its target)
+PRIOR_DRAFT_COST = 0.1
 COST_WEIGHT = 0.2
 WARMUP_STEPS = 3
 
@@ -179,6 +220,11 @@ class SpecCosts:
         else:
             self.times[rows] = old + COST_WEIGHT * (seconds - old)
 
+    def time(self, rows: int) -> float | None:
+        """Seconds a decode-only step of ``rows`` rows takes, measured or between two measured
+        sizes; None before that."""
+        return self._time(rows)
+
     def ratio(self, rows: int, extra: int) -> float:
         """A step of ``rows + extra`` rows over one of ``rows``: measured where both were,
         else from the nearest measured sizes, else the prior."""
@@ -201,27 +247,62 @@ class SpecCosts:
         return None
 
 
-def choose_k(acceptances: Seq[float], max_k: Seq[int], costs: SpecCosts) -> list[int]:
+def choose_k(acceptances: Seq[float], max_k: Seq[int], costs: SpecCosts, draft_cost: float = 0.0) -> list[int]:
     """Drafts per sequence for one step of ``len(acceptances)`` decoding sequences (``max_k``:
     the most each may take: proposal length, token limits): each the k with the most expected
     tokens per unit of cost, and all zero unless the whole step then yields more tokens per
-    second than a plain decode step of the same sequences."""
+    second than a plain decode step of the same sequences. ``draft_cost``: what making one
+    proposed token costs (a draft model's step, as a share of a plain step of these
+    sequences; 0 for an n-gram lookup); proposals are made for all sequences at once, so a
+    step pays it ``max(ks)`` times."""
     n = len(acceptances)
     ks: list[int] = []
     for a, top in zip(acceptances, max_k):
         best, best_gain = 0, 1.0
         for k in range(1, top + 1):
             # as if this sequence alone speculated: its tokens over what its rows add to the step
-            gain = (n - 1 + expected_tokens(a, k)) / (n * costs.ratio(n, k))
+            gain = (n - 1 + expected_tokens(a, k)) / (n * (costs.ratio(n, k) + k * draft_cost))
             if gain > best_gain:
                 best, best_gain = k, gain
         ks.append(best)
     if not any(ks):
         return ks
     yielded = sum(expected_tokens(a, k) for a, k in zip(acceptances, ks))
-    if yielded / (n * costs.ratio(n, sum(ks))) <= 1.0:
+    if yielded / (n * (costs.ratio(n, sum(ks)) + max(ks) * draft_cost)) <= 1.0:
         return [0] * n
     return ks
+
+
+def rejection_sample(
+    p: torch.Tensor, q: torch.Tensor, drafts: Seq[int], bonus: int, uniforms: Seq[float],
+) -> tuple[list[int], int]:
+    """Leviathan et al.'s rejection sampling (vLLM's rejection sampler) for ``k = len(drafts)``
+    tokens drawn by a draft model: ``p[i]`` is the target's distribution at the position of
+    ``drafts[i]`` (``p[k]``: after the last one), ``q[i]`` the draft's that ``drafts[i]`` was
+    drawn from, rows summing to 1 (float64); ``bonus`` a draw from ``p[k]``; ``uniforms``
+    2k numbers in [0, 1). Draft i is kept with chance min(1, p_i(d) / q_i(d)), the first
+    rejected one replaced by a draw from norm(max(0, p_i - q_i)); all kept: ``bonus`` follows.
+    Returns the tokens yielded and how many drafts were kept. Every token yielded is then
+    distributed as the target's own draw given the ones before it, whatever q is."""
+    import torch
+
+    k = len(drafts)
+    for i, d in enumerate(drafts):
+        pd, qd = float(p[i, d]), float(q[i, d])
+        if qd > 0.0 and uniforms[2 * i] * qd < pd:  # u < p/q without dividing
+            continue
+        residual = (p[i] - q[i]).clamp_(min=0.0)
+        total = float(residual.sum())
+        if total <= 0.0:  # p == q up to rounding: the rejection had no mass; draw from p itself
+            residual, total = p[i].clone(), float(p[i].sum())
+        cdf = residual.cumsum(0)
+        at = int(torch.searchsorted(cdf, torch.tensor([uniforms[2 * i + 1] * total], dtype=cdf.dtype),
+                                    right=True).item())
+        token = min(at, residual.shape[0] - 1)
+        while token > 0 and residual[token] <= 0.0:  # past the top by rounding: the last token with mass
+            token -= 1
+        return [*drafts[:i], token], i
+    return [*drafts, bonus], k
 
 
 def is_eligible(guided: bool, has_penalties: bool) -> bool:
@@ -232,6 +313,6 @@ def is_eligible(guided: bool, has_penalties: bool) -> bool:
 
 
 __all__ = [
-    "METHODS", "MAX_SPECULATIVE_TOKENS", "NgramIndex", "SpecCosts", "SpecState", "SpeculativeConfig",
-    "choose_k", "expected_tokens", "is_eligible", "speculative_config",
+    "METHODS", "MAX_SPECULATIVE_TOKENS", "PRIOR_DRAFT_ACCEPTANCE", "PRIOR_DRAFT_COST", "NgramIndex", "SpecCosts", "SpecState", "SpeculativeConfig",
+    "choose_k", "expected_tokens", "is_eligible", "rejection_sample", "speculative_config",
 ]

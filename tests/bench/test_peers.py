@@ -285,3 +285,23 @@ def test_the_documented_command_runs_the_package() -> None:
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "peers.py"), "--only", "nope"], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2 and "unknown measure nope (choose from single, prefill" in r.stderr
+
+
+def test_spec_is_named_to_run_and_turns_each_sides_ngram_speculation_on(tmp_path: Path) -> None:
+    from peers import run as peer_run
+
+    assert "spec" not in cli.build_parser().parse_args([]).only  # not in a default run
+    assert cli.build_parser().parse_args(["--only", "spec,single"]).only == ("single", "spec")
+    llama = build.LlamaCpp(bin_dir=tmp_path, bench=None, server=tmp_path / "llama-server", searched=())
+    o = peer_run.Options(gguf=tmp_path / "m.gguf", only=("spec",), trials=1, threads=2, tokens=8, prefill_tokens=8,
+                         prefix_tokens=8, dtype="auto", quant=None, ready_timeout_s=1.0, llama=llama,
+                         say=lambda _: None)
+    ours, theirs = peer_run.our_server_argv(o, 1, spec=True), peer_run.their_server_argv(o, 1, spec=True)
+    assert ours[ours.index("--speculative-ngram") + 1] == str(peer_run.SPEC_K)
+    assert theirs[theirs.index("--spec-type") + 1] == "ngram-simple"
+    assert "--speculative-ngram" not in peer_run.our_server_argv(o, 1)
+    assert "--spec-type" not in peer_run.their_server_argv(o, 1)
+    # decode speed: the tokens after the first over the time after it
+    r = peer_client.StreamResult(ttft_s=0.5, first_chunk_s=0.4, end_s=2.5, output_tokens=41, prompt_tokens=9,
+                                 content_chunks=41, text="")
+    assert peer_client.decode_rate(r) == pytest.approx(20.0)

@@ -5,8 +5,9 @@ One rule, as in vLLM v1: every sequence has tokens it still has to compute
 them. Running sequences (mostly decodes, one token each) are served first, then waiting ones,
 whose prompts are chunked to what the budget leaves. So a long prompt never stalls the decodes
 of other chats, and prefill and decode share one forward pass; beside running decodes, prompt
-chunks also share a cap measured from step times (``step_budget``), so that such a step stays
-within a few times a decode step.
+chunks also get only what keeps the step within its limit by a cost model fitted to step times
+(``step_budget``: the cost grows with a chunk's position in its prompt), so that every step of
+a long prefill costs about the same and the running chats' gaps stay bounded.
 
 The scheduler is the one writer of a sequence's progress: ``schedule`` admits and preempts,
 ``update`` (after the forward pass) advances ``num_computed_tokens``, registers newly full
@@ -15,7 +16,8 @@ token or a length limit; ``finish`` ends one for any other reason (a stop string
 an error). Finishing frees the blocks at once.
 
 Speculative decoding (``engine/spec_decode.py``), when configured: after the running decodes
-are placed, each may take k proposed tokens from an n-gram lookup in its own tokens (k from
+are placed, each may take k proposed tokens from an n-gram lookup in its own tokens or from
+the draft model (``drafter``, run here: proposals are part of the schedule) (k from
 its measured acceptance and the measured cost of extra rows, 0 in batches above
 ``disable_by_batch_size``, never at the cost of a preemption); ``append`` then takes the tokens
 the verification kept one at a time, counting as computed only the positions of accepted
@@ -26,11 +28,13 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from localllm.engine.block_manager import BlockManager
 from localllm.engine.sequence import Sequence, SequenceStatus
-from localllm.engine.spec_decode import NgramIndex, SpecCosts, SpecState, SpeculativeConfig, choose_k, is_eligible
+from localllm.engine.spec_decode import (
+    PRIOR_DRAFT_ACCEPTANCE, PRIOR_DRAFT_COST, NgramIndex, SpecCosts, SpecState, SpeculativeConfig, choose_k, is_eligible,
+)
 from localllm.engine.step_budget import PrefillBudget
 
 
@@ -61,6 +65,25 @@ class ScheduledBatch(NamedTuple):
         return sum(1 for s in self.seqs if s.spec_token_ids)
 
 
+class DraftProposer(Protocol):
+    """What the scheduler sees of a draft model (``engine/draft_model.py``): it keeps a KV
+    cache of its own that mirrors the target's sequences."""
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
+        """Up to ``ks[i]`` tokens after ``seqs[i]``'s tokens (fewer where its pool is full), drawn
+        greedily for greedy requests, else sampled with the distributions kept in
+        ``seq.spec.draft_probs``."""
+        ...
+
+    def release(self, seq: Sequence) -> None:
+        """Frees the draft KV mirroring ``seq`` (it finished or was preempted)."""
+        ...
+
+    def step_cost(self, rows: int) -> float | None:
+        """Seconds one draft step of ``rows`` sequences takes, measured; None before."""
+        ...
+
+
 class Scheduler:
     def __init__(
         self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
@@ -76,6 +99,7 @@ class Scheduler:
         self.prefill_budget = PrefillBudget()
         self.speculative = speculative
         self.spec_costs = SpecCosts()  # written by the engine after each decode-only step
+        self.drafter: DraftProposer | None = None  # the draft model (method "draft_model"), set by the engine
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -89,17 +113,16 @@ class Scheduler:
         preempted: list[Sequence] = []
         copies: list[tuple[int, int]] = []
 
-        # beside running decodes, prompt chunks share a cap that keeps the decodes' gap short
-        cap = self.prefill_budget.cap()
-        decoding = cap is not None and any(s.num_tokens - s.num_computed_tokens == 1 for s in self.running)
-        prompt_budget = min(budget, cap) if decoding and cap is not None else budget
+        # beside running decodes, prompt chunks take what the measured cost of a step allows
+        prompts = self.prefill_budget
+        prompts.begin(sum(1 for s in self.running if s.num_tokens - s.num_computed_tokens == 1))
 
         # running first: decodes and the remaining chunks of partly prefilled prompts
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             remaining = seq.num_tokens - seq.num_computed_tokens
-            n = min(remaining, budget) if remaining == 1 else min(remaining, budget, prompt_budget)
+            n = min(remaining, budget) if remaining == 1 else prompts.fit(seq.num_computed_tokens, remaining, budget)
             if n == 0:  # a prompt chunk with no room left this step: it waits for the next
                 i += 1
                 continue
@@ -114,18 +137,17 @@ class Scheduler:
             chosen.append((seq, n))
             budget -= n
             if remaining > 1:
-                prompt_budget -= n
+                prompts.take(seq.num_computed_tokens, n)
             i += 1
 
         budget -= self._propose(chosen, budget)
 
         # then waiting requests, first come first served, while blocks and budget allow
-        while (self.waiting and budget > 0 and prompt_budget > 0 and len(self.running) < self.max_num_seqs
-               and not preempted):
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
             prefix = self.block_manager.match_prefix(seq)
-            n = min(seq.num_tokens - prefix.num_tokens, budget, prompt_budget)
-            if not self.block_manager.allocate(seq, prefix.num_tokens + n, prefix):
+            n = prompts.fit(prefix.num_tokens, seq.num_tokens - prefix.num_tokens, budget)
+            if n == 0 or not self.block_manager.allocate(seq, prefix.num_tokens + n, prefix):
                 break
             self.waiting.popleft()
             if prefix.copy_from >= 0:
@@ -138,7 +160,7 @@ class Scheduler:
             self.running.append(seq)
             chosen.append((seq, n))
             budget -= n
-            prompt_budget -= n
+            prompts.take(prefix.num_tokens, n)
 
         # stable: decodes first, then speculative decodes, then prompt chunks, order kept
         chosen.sort(key=lambda item: 0 if item[1] == 1 else 1 if item[0].spec_token_ids else 2)
@@ -158,6 +180,8 @@ class Scheduler:
         decodes = [i for i, (seq, n) in enumerate(chosen) if n == 1 and seq.num_computed_tokens == seq.num_tokens - 1]
         if not decodes or len(self.running) > config.disable_by_batch_size:
             return 0  # a large batch: its steps are compute-bound (the index catches up later)
+        if config.method == "draft_model":
+            return self._propose_drafts(chosen, decodes, budget, config)
         proposals: list[list[int]] = []
         for i in decodes:
             seq = chosen[i][0]
@@ -180,6 +204,46 @@ class Scheduler:
             added += k
         return added
 
+    def _propose_drafts(self, chosen: list[tuple[Sequence, int]], decodes: list[int], budget: int,
+                        config: SpeculativeConfig) -> int:
+        """``_propose`` with a draft model: k first (``choose_k``, the draft's measured step
+        counted in), then the draft runs for the sequences that take some. A sequence that
+        takes none makes no proposal, so it has no shadow to check: its measured acceptance
+        drifts back toward the prior (``SpecState.drift``) and it tries again later."""
+        drafter = self.drafter
+        if drafter is None:
+            return 0
+        seqs = [chosen[i][0] for i in decodes]
+        for seq in seqs:
+            if seq.spec is None and is_eligible(seq.params.guided, seq.params.has_penalties):
+                seq.spec = SpecState(None, acceptance=PRIOR_DRAFT_ACCEPTANCE, prior=PRIOR_DRAFT_ACCEPTANCE)
+        n = len(seqs)
+        draft_s, plain_s = drafter.step_cost(n), self.spec_costs.time(n)
+        draft_cost = draft_s / plain_s if draft_s is not None and plain_s else PRIOR_DRAFT_COST
+        ks = choose_k([s.spec.acceptance if s.spec is not None else 0.0 for s in seqs],
+                      [self._room(s, config.num_speculative_tokens) if s.spec is not None else 0 for s in seqs],
+                      self.spec_costs, draft_cost)
+        added = 0
+        for j, seq in enumerate(seqs):
+            ks[j] = min(ks[j], budget - added)
+            if ks[j] > 0 and not self.block_manager.allocate(seq, seq.num_tokens + ks[j]):
+                ks[j] = 0  # no blocks to spare for speculation: a plain decode, nobody preempted
+            added += max(ks[j], 0)
+        proposals = drafter.propose(seqs, [max(k, 0) for k in ks]) if any(k > 0 for k in ks) else [[] for _ in seqs]
+        added = 0
+        for i, seq, proposal in zip(decodes, seqs, proposals):
+            if seq.spec is None:
+                continue
+            if not proposal:
+                seq.spec.drift()
+                seq.spec.draft_probs = None
+                self.block_manager.trim(seq, seq.num_tokens)  # blocks taken for drafts the pool could not make
+                continue
+            seq.spec.drafts = proposal
+            chosen[i] = (seq, 1 + len(proposal))
+            added += len(proposal)
+        return added
+
     def _shadow(self, seq: Sequence, config: SpeculativeConfig) -> list[int]:
         """The sequence's proposal for this step (its spec state made on first use), noted as
         the shadow guess that ``update`` checks against the token that comes."""
@@ -187,6 +251,8 @@ class Scheduler:
             if not is_eligible(seq.params.guided, seq.params.has_penalties):
                 return []
             seq.spec = SpecState(NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max))
+        elif seq.spec.index is None:  # it drafted with a model until the method changed
+            seq.spec.index = NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max)
         proposal = seq.spec.index.propose(seq.token_ids, config.num_speculative_tokens)
         seq.spec.shadow = proposal[0] if proposal else None
         return proposal
@@ -204,6 +270,8 @@ class Scheduler:
         """Recompute-style preemption: drop the KV, keep the tokens, requeue at the front.
         The freed blocks stay in the prefix cache, so the recompute is mostly cache hits."""
         self.block_manager.free(seq)
+        if self.drafter is not None:
+            self.drafter.release(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
@@ -254,6 +322,7 @@ class Scheduler:
         assert spec is not None and spec.drafts
         spec.record(len(spec.drafts), accepted)
         spec.drafts = []
+        spec.draft_probs = None
         if not seq.finished:
             self.block_manager.trim(seq, seq.num_tokens)
 
@@ -266,5 +335,7 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        if self.drafter is not None:
+            self.drafter.release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason

@@ -148,39 +148,29 @@ def test_finishing_again_replaces_the_reason_only() -> None:
     assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
 
 
-def test_beside_decodes_a_prompt_takes_what_keeps_their_gap_short() -> None:
-    """Step times set the cap: decode steps of 40 ms, and a prompt token that adds 5 ms, let a
-    step beside decodes take 2 x 40 / 5 = 16 prompt tokens (3x a decode step); without decodes
-    the prompt takes the whole budget."""
+def test_beside_decodes_a_prompt_takes_what_its_measured_cost_allows() -> None:
+    """Without decodes a prompt takes the whole budget; beside one, a small first chunk until a
+    step with prompt tokens was measured, then what the cost model (``step_budget``) keeps
+    within the step's limit, from the chunk's start position in its prompt."""
     sched = _scheduler(num_blocks=128, budget=64)
-    sched.prefill_budget.min_tokens = 4
+    budget = sched.prefill_budget
+    budget.min_tokens, budget.first_tokens = 4, 8
     alone = _seq("alone", 100)
     sched.add(alone)
-    assert _plan(_run(sched)) == [("alone", 64)]  # no step measured yet, no decodes: the budget
-    sched.prefill_budget.observe(64 * 0.005, prompt_tokens=64, decodes=0)
-    assert _plan(_run(sched)) == [("alone", 36)]  # still no decodes running: no cap
-    sched.prefill_budget.observe(0.040, prompt_tokens=0, decodes=1)
-    assert sched.prefill_budget.cap() == 16
+    assert _plan(_run(sched)) == [("alone", 64)]  # no decodes: the budget
+    budget.observe(0.010 + 64 * 0.001, prompt_tokens=64, decodes=0)
+    assert _plan(_run(sched)) == [("alone", 36)]
+    budget.observe(0.010 + 36 * 0.001 + 0.002, prompt_tokens=36, decodes=0)
+    assert [s.start for s in budget.history] == [0, 64]  # the scheduler told the budget where chunks start
+    assert _plan(_run(sched)) == [("alone", 1)]
+    budget.observe(0.005, prompt_tokens=0, decodes=1)
     late = Sequence("late", list(range(300, 400)), SamplingParams(max_tokens=100), (), 1000)  # no prefix hit
     sched.add(late)
-    assert _plan(_run(sched)) == [("alone", 1), ("late", 16)]
-    # late in a long prompt each token costs more (more keys): the cap follows the running average
-    sched.prefill_budget.observe(0.040 + 16 * 0.020, prompt_tokens=16, decodes=1)
-    cap = sched.prefill_budget.cap()
-    assert cap is not None and 4 <= cap < 16
-    assert _plan(_run(sched)) == [("alone", 1), ("late", cap)]
+    batch = _run(sched)
+    n = batch.num_new_tokens[1]
+    assert _plan(batch)[0] == ("alone", 1) and 2 <= n <= budget.min_tokens * budget.growth  # ramps up from small
+    assert budget.limit_s is not None and budget.predict(1, [(0, n)]) <= budget.limit_s or n == budget.min_tokens
+    budget.observe(budget.predict(1, [(0, n)]), prompt_tokens=n, decodes=1)
+    assert budget.history[-1].start == 0 and budget.history[-1].limit_s is not None
     sched.finish(alone, "abort")  # no decode left beside it: the prompt takes the whole budget again
     assert _plan(_run(sched)) == [("late", 64)]
-
-
-def test_the_prefill_cap_needs_both_costs_and_never_stops_a_prompt() -> None:
-    from localllm.engine.step_budget import PrefillBudget
-
-    budget = PrefillBudget(min_tokens=16)
-    assert budget.cap() is None
-    budget.observe(0.04, prompt_tokens=0, decodes=3)
-    assert budget.cap() is None  # no prompt token seen yet
-    budget.observe(10.0, prompt_tokens=512, decodes=3)  # a very slow chunk
-    assert budget.cap() == 16  # the floor: the prompt still advances
-    budget.observe(0.0, prompt_tokens=0, decodes=0)  # an empty step changes nothing
-    assert budget.cap() == 16

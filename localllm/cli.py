@@ -8,7 +8,9 @@ import contextlib
 import importlib
 import logging
 import os
+import signal
 import sys
+import threading
 import traceback
 from collections.abc import Callable, MutableMapping, Sequence
 from importlib.metadata import PackageNotFoundError, version
@@ -171,8 +173,11 @@ def set_openmp_defaults(env: MutableMapping[str, str]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The console script. ``argv`` None: this process's own command line, which ends the
-    process when a background compile still runs (``_exit_past_compile``)."""
+    process when a background compile still runs (``_exit_past_compile``) and takes SIGTERM
+    and SIGHUP as ctrl+c (``_stop_on_signals``)."""
     set_openmp_defaults(os.environ)
+    if argv is None:
+        _stop_on_signals()
     try:
         code = _main(argv)
     except BrokenPipeError:
@@ -181,26 +186,84 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         code = 0
     if argv is None:
+        if _stopped_by is not None:
+            _end_now(128 + _stopped_by)
         _exit_past_compile(code)
     return code
 
 
-def _exit_past_compile(code: int) -> None:
-    """Ends the process now with ``code`` when a background compile is still running (ctrl+c
-    skipped `run`'s wait for it; a chat or server quit mid-compile): its compilers first, then
-    stdout, stderr and logging flushed, then ``os._exit``. The interpreter's own exit would
-    stop the compile thread wherever it is, and stopped inside torch's C++ it aborts the
-    process ("terminate called without an active exception", exit 134: CPython 3.11 ends a
-    daemon thread by unwinding it through a noexcept destructor)."""
-    runner = sys.modules.get("localllm.engine.model_runner")  # never imported: nothing compiled
-    if runner is None or not runner.compile_running():
+# SIGTERM (`kill`, a service manager, `docker stop`) and SIGHUP (the terminal closed) end the
+# process as ctrl+c does: the command's own clean-up runs (the kernel build kills its
+# compilers, a server shuts down gracefully, the chat restores the terminal), then every
+# compiler still running is ended and the process exits with 128 + the signal's number. Their
+# default action would end Python at once and leave a compile's g++ running.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+# How long that clean-up may take before the process ends anyway (uvicorn's graceful shutdown
+# is 5 s, the engine thread's join 10 s)
+STOP_GRACE_S = 20.0
+_stopped_by: int | None = None  # the stop signal received; written by its handler only
+
+
+class Stopped(KeyboardInterrupt):
+    """Raised in the main thread by a stop signal: a KeyboardInterrupt, so that every path
+    ctrl+c takes (kill the kernel build's compilers, skip `run`'s wait for the optimization,
+    leave the TUI) is taken; ``main`` then exits with ``128 + signum`` whatever it returned."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _stop_on_signals() -> None:
+    """Installs the stop handler for SIGTERM and SIGHUP, on the main thread. One the process
+    inherited as ignored stays ignored (`nohup localllm serve`: asked to outlive the terminal)."""
+    for sig in STOP_SIGNALS:
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, _on_stop_signal)
+
+
+def _on_stop_signal(signum: int, frame: object) -> None:
+    global _stopped_by
+    owner = signal.getsignal(signal.SIGTERM)
+    if signum != signal.SIGTERM and callable(owner) and owner is not _on_stop_signal:
+        # A server's graceful shutdown owns SIGTERM now (uvicorn swaps its handler in while it
+        # serves and raises the signals it took again once done): a SIGHUP takes that path too.
+        owner(signum, frame)
         return
-    runner.stop_compilers()
+    if _stopped_by is not None:  # a second one: the user insists, or the clean-up hangs
+        _end_now(128 + _stopped_by)
+    _stopped_by = signum
+    backstop = threading.Timer(STOP_GRACE_S, _end_now, args=(128 + signum,))
+    backstop.daemon = True
+    backstop.start()
+    raise Stopped(signum)
+
+
+def _end_now(code: int) -> None:
+    """Ends the process now with ``code``: this process's compilers first (Inductor's workers
+    and their g++; the kernel build's compilers end with it on their own, see
+    kernels/cpu_ops.py), then stdout, stderr and logging flushed, then ``os._exit``: no
+    thread is joined and no daemon thread is unwound (see ``_exit_past_compile``)."""
+    runner = sys.modules.get("localllm.engine.model_runner")  # never imported: nothing compiled
+    if runner is not None:
+        runner.stop_compilers()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
             stream.flush()
     os._exit(code)
+
+
+def _exit_past_compile(code: int) -> None:
+    """Ends the process now with ``code`` when a background compile is still running (ctrl+c
+    skipped `run`'s wait for it; a chat or server quit mid-compile), through ``_end_now``.
+    The interpreter's own exit would stop the compile thread wherever it is, and stopped inside
+    torch's C++ it aborts the process ("terminate called without an active exception", exit
+    134: CPython 3.11 ends a daemon thread by unwinding it through a noexcept destructor)."""
+    runner = sys.modules.get("localllm.engine.model_runner")  # never imported: nothing compiled
+    if runner is None or not runner.compile_running():
+        return
+    _end_now(code)
 
 
 def _main(argv: Sequence[str] | None) -> int:

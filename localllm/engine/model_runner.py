@@ -55,6 +55,17 @@ class StepInputs:
     sampling_seqs: list[Sequence]
 
 
+def _kernel_interface() -> str:
+    """The C++ ops' schemas and their shape functions: all a saved graph knows of the CPU
+    kernels. A graph calls each op through the dispatcher by name, so a kernel whose body
+    changes (a faster AMX path, a lighter header) runs in the old graph unchanged; keying graphs
+    by the kernels' whole source made every such change cost each model a multi-minute compile."""
+    cpu_ops.load()  # built and loaded already wherever a graph is made; a no-op then
+    ops = sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith("localllm_cpu::"))
+    schemas = "\n".join(str(torch._C._get_schema(n, "")) for n in ops)
+    return schemas + "\0" + inspect.getsource(cpu_ops._register_fakes)
+
+
 class ModelRunner:
     """Steps the model over its KV pool (``kv_cache``, a ``KVCache``: per layer a K and a V
     ``[num_blocks, block_size, kv_heads, head_dim]`` and for an FP8 pool the K and V scales,
@@ -496,13 +507,13 @@ class ModelRunner:
 
     def _graph_key(self, cpp_wrapper: bool) -> str:
         """What a saved decode graph was made for: this CPU, torch, Python, the CPU kernels'
-        source, the model's structure and every tensor the graph reads (names, shapes, dtypes),
-        the KV pool's block shape and dtype. Not the sizes ``_mark_dynamic`` makes dynamic (the
+        interface (``_kernel_interface``: not their bodies), the model's structure and every
+        tensor the graph reads (names, shapes, dtypes), the KV pool's block shape and dtype. Not the sizes ``_mark_dynamic`` makes dynamic (the
         pool's block count, max_model_len, the batch buckets). The source of the traced code is
         checked at load."""
         h = hashlib.sha256()
-        for part in ("dynamic-sizes-2", cpu_ops.cpu_signature(), torch.__version__, sys.version, str(cpp_wrapper),
-                     cpu_ops.source_text(), type(self.model).__qualname__, repr(self.model.config)):
+        for part in ("dynamic-sizes-3", cpu_ops.cpu_signature(), torch.__version__, sys.version, str(cpp_wrapper),
+                     _kernel_interface(), type(self.model).__qualname__, repr(self.model.config)):
             h.update(part.encode() + b"\0")
         for name, t in self.model.state_dict(keep_vars=True).items():
             h.update(f"{name}:{tuple(t.shape)}:{t.dtype}\0".encode())

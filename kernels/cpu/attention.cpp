@@ -12,7 +12,7 @@ void store_kv(const float* k, int64_t k_stride, const float* v, int64_t v_stride
               const int64_t* slots, int64_t num_slots, float* k_cache, float* v_cache) {
   for (int64_t t = 0; t < T; ++t) {
     if (slots[t] < 0) continue;
-    TORCH_CHECK(slots[t] < num_slots, "slot ", slots[t], " is outside the KV pool");
+    LOCALLLM_CHECK(slots[t] < num_slots, "slot ", slots[t], " is outside the KV pool");
     std::memcpy(k_cache + slots[t] * row, k + t * k_stride, row * sizeof(float));
     std::memcpy(v_cache + slots[t] * row, v + t * v_stride, row * sizeof(float));
   }
@@ -63,10 +63,10 @@ void paged_attention(const PagedAttention& args, float* op) {
   for (int64_t b = 0; b < B; ++b) {
     const int64_t n = qs[b + 1] - qs[b];
     if (n == 0 || n > max_q) continue;
-    TORCH_CHECK(ls[b] >= n && (ls[b] + block_size - 1) / block_size <= W, "seq_lens/block_tables mismatch");
+    LOCALLLM_CHECK(ls[b] >= n && (ls[b] + block_size - 1) / block_size <= W, "seq_lens/block_tables mismatch");
     for (int64_t i = 0; i < (ls[b] + block_size - 1) / block_size; ++i) {
       const int32_t blk = tb[b * W + i];
-      TORCH_CHECK(blk >= 0 && blk < num_blocks, "block id ", blk, " is outside the KV pool");
+      LOCALLLM_CHECK(blk >= 0 && blk < num_blocks, "block id ", blk, " is outside the KV pool");
     }
     max_keys = std::max<int64_t>(max_keys, window > 0 ? std::min<int64_t>(ls[b], window + n - 1) : ls[b]);
     item_seq.push_back(b);
@@ -78,7 +78,7 @@ void paged_attention(const PagedAttention& args, float* op) {
   }
   const int64_t num_toks = static_cast<int64_t>(tok_seq.size());
   if (num_toks == 0) return;
-  const int64_t threads = at::get_num_threads();
+  const int64_t threads = num_threads();
   // A work item is (sequence, KV head, key slice), all the sequence's query tokens at once.
   // Slices of at least 4 blocks, enough of them that every thread gets ~4 items.
   const int64_t num_seqs = static_cast<int64_t>(item_seq.size());
@@ -116,7 +116,7 @@ void paged_attention(const PagedAttention& args, float* op) {
     }
   };
 
-  at::parallel_for(0, num_seqs * KVH * splits, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, num_seqs * KVH * splits, 1, [&](int64_t begin, int64_t end) {
     float acc[kMaxGroup][kMaxHeadDim];
     float p[kMaxGroup][kMaxBlock];
     std::vector<float> mm(max_q * G), ml(max_q * G), macc(max_q * G * D);
@@ -164,7 +164,7 @@ void paged_attention(const PagedAttention& args, float* op) {
     }
   });
   if (direct) return;
-  at::parallel_for(0, num_toks * KVH, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, num_toks * KVH, 1, [&](int64_t begin, int64_t end) {
     for (int64_t tk = begin; tk < end; ++tk) {
       const int64_t t = tk / KVH, kvh = tk % KVH;
       float* orow = op + (qs[tok_seq[t]] + tok_j[t]) * H * D + kvh * G * D;

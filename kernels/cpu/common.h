@@ -1,19 +1,18 @@
-// What every kernel translation unit shares: the light ATen headers (parallel_for and
-// TORCH_CHECK only; the tensor API is ops.cpp's alone, so each kernel file compiles in about
-// a second instead of the ~10 s that ATen.h's parse takes) and the vectorisable e^x.
+// What every kernel translation unit shares: parallel_for and LOCALLLM_CHECK (parallel.h: no
+// torch header; the tensor API is ops.cpp's alone, ATen's thread pool parallel.cpp's, so a
+// kernel file's cold compile is its own code, not torch's headers) and the vectorisable e^x.
 //
 // The kernels take raw pointers and sizes; ops.cpp, the one place that sees at::Tensor,
 // checks shapes and dtypes, allocates outputs and calls them.
 #pragma once
-
-#include <ATen/Parallel.h>
-#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+
+#include "parallel.h"
 
 namespace localllm_cpu {
 

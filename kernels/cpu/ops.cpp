@@ -3,19 +3,24 @@
 // layout), allocates its output and calls the raw-pointer kernel of its concern:
 // attention.h, sampling.h, threads.h, gguf/gguf.h. Built by kernels/cpu_ops.py, which compiles
 // each file of kernels/cpu/ on its own (in parallel, cached per file) and links them.
-#include <ATen/ops/empty.h>
-#include <ATen/ops/zeros_like.h>
+#include <ATen/EmptyTensor.h>
 #include <torch/library.h>
 
 #include <vector>
 
 #include "attention.h"
+#include "gguf/experts.h"
 #include "gguf/gguf.h"
 #include "sampling.h"
 #include "threads.h"
 
 namespace localllm_cpu {
 namespace {
+
+// A new CPU tensor, uninitialised: at::detail::empty_cpu (what at::empty's CPU kernel calls)
+// rather than at::empty, whose header (ATen/ops/empty.h, through ATen/Context.h) added ~0.6 s
+// to this file's cold compile. Every caller writes the whole tensor.
+at::Tensor empty(at::IntArrayRef size, at::ScalarType dtype) { return at::Tensor(at::detail::empty_cpu(size, dtype)); }
 
 // ---- attention ----
 
@@ -59,7 +64,7 @@ at::Tensor paged_attention_op(const at::Tensor& q, const at::Tensor& k_cache, co
     sinks_f = sinks->to(at::kFloat).contiguous();
     TORCH_CHECK(sinks_f.dim() == 1 && sinks_f.size(0) == H, "sinks must be one logit per query head [H]");
   }
-  auto out = at::zeros_like(qc);
+  auto out = empty(qc.sizes(), at::kFloat).zero_();
   PagedAttention args{qc.data_ptr<float>(), H, D, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
                             k_cache.size(0), block_size, KVH, qsl.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
                             tables.data_ptr<int32_t>(), lens.size(0), tables.size(1), static_cast<float>(scale),
@@ -78,7 +83,7 @@ at::Tensor logits_rows(const at::Tensor& logits) {
 
 at::Tensor argmax_rows_op(const at::Tensor& logits) {
   const auto x = logits_rows(logits);
-  auto out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  auto out = empty({x.size(0)}, at::kLong);
   argmax_rows(x.data_ptr<float>(), x.size(0), x.size(1), out.data_ptr<int64_t>());
   return out;
 }
@@ -86,7 +91,7 @@ at::Tensor argmax_rows_op(const at::Tensor& logits) {
 at::Tensor topk_indices_op(const at::Tensor& logits, int64_t k) {
   const auto x = logits_rows(logits);
   TORCH_CHECK(k >= 1 && k <= x.size(1), "k must be in [1, vocab]");
-  auto out = at::empty({x.size(0), k}, x.options().dtype(at::kLong));
+  auto out = empty({x.size(0), k}, at::kLong);
   topk_indices(x.data_ptr<float>(), x.size(0), x.size(1), k, out.data_ptr<int64_t>());
   return out;
 }
@@ -97,7 +102,7 @@ at::Tensor sample_rows_op(const at::Tensor& logits, at::ArrayRef<double> temps, 
   const auto n = static_cast<size_t>(x.size(0));
   TORCH_CHECK(temps.size() == n && top_ks.size() == n && top_ps.size() == n && min_ps.size() == n && u.size() == n,
               "one sampling parameter per row");
-  auto out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  auto out = empty({x.size(0)}, at::kLong);
   sample_rows(x.data_ptr<float>(), x.size(0), x.size(1), temps.data(), top_ks.data(), top_ps.data(), min_ps.data(),
               u.data(), out.data_ptr<int64_t>());
   return out;
@@ -122,8 +127,8 @@ gguf::Layout checked_layout(int64_t type) {
 std::vector<at::Tensor> empty_packed(int64_t type, int64_t N, int64_t K) {
   const gguf::Layout l = checked_layout(type);
   const int64_t tiles = N / 8, nb = K / 32;
-  return {at::empty({tiles, nb, l.code_bytes}, at::kByte), at::empty({tiles, nb, l.hi_bytes}, at::kByte),
-          at::empty({tiles, nb, l.scale_bytes}, at::kByte), at::empty({tiles, K / l.super, l.d_halves}, at::kHalf)};
+  return {empty({tiles, nb, l.code_bytes}, at::kByte), empty({tiles, nb, l.hi_bytes}, at::kByte),
+          empty({tiles, nb, l.scale_bytes}, at::kByte), empty({tiles, K / l.super, l.d_halves}, at::kHalf)};
 }
 
 gguf::Packed packed_view(const at::TensorList packed, int64_t type, int64_t& N, int64_t& K) {
@@ -165,8 +170,31 @@ at::Tensor gguf_linear_op(const at::Tensor& x, const at::TensorList packed, int6
   const gguf::Packed w = packed_view(packed, type, N, K);
   TORCH_CHECK(x.size(1) == K, "x does not match the packed weight");
   const auto xc = x.contiguous();
-  auto y = at::empty({x.size(0), N}, at::kFloat);
+  auto y = empty({x.size(0), N}, at::kFloat);
   gguf::linear(xc.data_ptr<float>(), x.size(0), K, w, N, type, levels, y.data_ptr<float>());
+  return y;
+}
+
+// A MoE projection of all routed experts: x's rows sorted by expert, offsets [E + 1] their
+// bounds; packed is the experts' stacked [E * N, K] weight -> y [rows, N].
+at::Tensor gguf_linear_grouped_op(const at::Tensor& x, const at::TensorList packed, int64_t type, int64_t levels,
+                                  const at::Tensor& offsets) {
+  TORCH_CHECK(levels == 1 || levels == 2, "levels must be 1 or 2");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be fp32 [M, K]");
+  TORCH_CHECK(offsets.dim() == 1 && offsets.numel() >= 2 && offsets.scalar_type() == at::kLong && offsets.device().is_cpu(),
+              "offsets must be int64 [experts + 1]");
+  int64_t N = 0, K = 0;
+  const gguf::Packed w = packed_view(packed, type, N, K);
+  const int64_t E = offsets.numel() - 1;
+  TORCH_CHECK(N % (E * 8) == 0, "the packed rows do not split into ", E, " experts of whole 8-row tiles");
+  TORCH_CHECK(x.size(1) == K, "x does not match the packed weight");
+  const auto oc = offsets.contiguous();
+  const int64_t* o = oc.data_ptr<int64_t>();
+  TORCH_CHECK(o[0] == 0 && o[E] == x.size(0), "offsets must run from 0 to x's row count");
+  for (int64_t e = 0; e < E; ++e) TORCH_CHECK(o[e] <= o[e + 1], "offsets must not decrease");
+  const auto xc = x.contiguous();
+  auto y = empty({x.size(0), N / E}, at::kFloat);
+  gguf::linear_grouped(xc.data_ptr<float>(), x.size(0), K, w, E, N / E, o, type, levels, y.data_ptr<float>());
   return y;
 }
 
@@ -174,7 +202,7 @@ at::Tensor gguf_dequantize_op(const at::TensorList packed, int64_t type, at::Sca
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dequantize to float32 or bfloat16");
   int64_t N = 0, K = 0;
   const gguf::Packed w = packed_view(packed, type, N, K);
-  auto out = at::empty({N, K}, dtype);
+  auto out = empty({N, K}, dtype);
   gguf::dequantize(w, N, K, type, dtype == at::kBFloat16, out.data_ptr());
   return out;
 }
@@ -196,6 +224,7 @@ TORCH_LIBRARY(localllm_cpu, m) {
   m.def("gguf_repack(Tensor weight, int type, int in_features) -> Tensor[]");
   m.def("gguf_linear(Tensor x, Tensor[] packed, int type, int levels) -> Tensor");
   m.def("gguf_dequantize(Tensor[] packed, int type, ScalarType dtype) -> Tensor");
+  m.def("gguf_linear_grouped(Tensor x, Tensor[] packed, int type, int levels, Tensor offsets) -> Tensor");
 #endif
 }
 
@@ -209,5 +238,6 @@ TORCH_LIBRARY_IMPL(localllm_cpu, CPU, m) {
   m.impl("gguf_repack", &localllm_cpu::gguf_repack_op);
   m.impl("gguf_linear", &localllm_cpu::gguf_linear_op);
   m.impl("gguf_dequantize", &localllm_cpu::gguf_dequantize_op);
+  m.impl("gguf_linear_grouped", &localllm_cpu::gguf_linear_grouped_op);
 #endif
 }

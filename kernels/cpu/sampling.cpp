@@ -202,9 +202,9 @@ int64_t sample_row(const float* x, int64_t V, double temp, int64_t k, double p, 
 // of the head's gguf_linear that wrote it, so each thread reads what it wrote, from its own
 // cache (one thread reading a whole 49k row fresh from the other core's: ~100 us, not ~10).
 void argmax_rows(const float* xp, int64_t R, int64_t V, int64_t* op) {
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), V / 4096));
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(num_threads(), V / 4096));
   std::vector<std::pair<float, int64_t>> best(R * parts);
-  at::parallel_for(0, R * parts, 1, [&](int64_t u0, int64_t u1) {
+  parallel_for(0, R * parts, 1, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t part = u / R, r = u % R, b = part * V / parts, e = (part + 1) * V / parts;
       const int64_t i = b + argmax_row(xp + r * V + b, e - b);
@@ -225,7 +225,7 @@ void argmax_rows(const float* xp, int64_t R, int64_t V, int64_t* op) {
 // tokens above it are sorted.
 void topk_indices(const float* xp, int64_t R, int64_t V, int64_t k, int64_t* op) {
   const int64_t nc = (V + kChunk - 1) / kChunk;
-  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+  parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
     std::vector<float> maxima(nc);
     std::vector<int32_t> cand(V);
     for (int64_t r = r0; r < r1; ++r) {
@@ -264,7 +264,7 @@ void topk_indices(const float* xp, int64_t R, int64_t V, int64_t k, int64_t* op)
 
 void sample_rows(const float* xp, int64_t R, int64_t V, const double* temps, const int64_t* top_ks,
                  const double* top_ps, const double* min_ps, const double* u, int64_t* op) {
-  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+  parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
     thread_local SampleScratch scratch;
     for (int64_t r = r0; r < r1; ++r)
       op[r] = sample_row(xp + r * V, V, temps[r], std::max<int64_t>(top_ks[r], 1), top_ps[r], min_ps[r], u[r],

@@ -14,10 +14,10 @@
 namespace localllm_cpu {
 
 std::vector<int64_t> bind_threads(const int64_t* cpus, int64_t count) {
-  const int64_t n = std::min<int64_t>(count, at::get_num_threads());
+  const int64_t n = std::min<int64_t>(count, num_threads());
   std::vector<int64_t> bound(std::max<int64_t>(n, 0), -1);
 #ifdef __linux__
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       if (cpus[i] < 0 || cpus[i] >= CPU_SETSIZE) continue;
       cpu_set_t want;

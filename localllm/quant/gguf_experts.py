@@ -7,16 +7,18 @@ projection (``StackedBlocks``: the [E * rows, K] matrix repacked once by ``gguf_
 same layout and kernels as ``GGUFLinear``), so a MoE model takes about its file's bytes rather
 than two to four times them dequantized. Expert e's rows are packed tiles
 ``[e * rows / 8, (e + 1) * rows / 8)``: a contiguous slice of each packed tensor, which the
-C++ ``gguf_linear`` takes as it is (no copy, no new kernel).
+C++ kernels take as it is (no copy).
 
 Gate and up of one type are packed as one [E, 2I, K] set (expert e's gate rows, then its up
 rows, as ``models/moe.py``'s ``w13``), so each expert's activations are quantized once for both;
 of different types they stay two sets. A projection stored in a type no CPU kernel takes
 arrives dequantized and is rounded again to ``gguf_formats.FALLBACK``, as a linear would be.
 
-``moe_experts_gguf`` runs them: tokens sorted by expert, and for each expert that got rows
-this step, the integer GGUF kernel on those rows for gate/up, ``models/moe.py``'s activation
-(gpt-oss's biases and clamped SwiGLU included), then down. Like ``moe_experts`` it is one
+``moe_experts_gguf`` runs them: tokens sorted by expert, then per projection one call of the
+C++ ``gguf_linear_grouped`` (kernels/cpu/gguf/experts.cpp), which quantizes all rows once and
+runs every routed expert's rows on its slice of the stack, the same integer kernels as
+``gguf_linear`` (bit for bit); between them ``models/moe.py``'s activation (gpt-oss's biases
+and clamped SwiGLU included) on all rows at once. Like ``moe_experts`` it is one
 opaque custom op, so the compiled CPU decode step keeps one graph around it.
 
 Invariant: after loading, the module's buffers are the only copy of the experts' weights
@@ -140,24 +142,21 @@ def moe_experts_gguf(
     E = w2[0].shape[0] * TILE // x.shape[1]  # down's rows per expert are H
     flat = ids.flatten()
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=E).tolist()
+    offsets = torch.zeros(E + 1, dtype=torch.int64)
+    torch.cumsum(torch.bincount(flat, minlength=E), 0, out=offsets[1:])
+    expert = flat.index_select(0, order)  # each sorted row's expert
     tokens = order // k
     rows = x.index_select(0, tokens).float()
-    out = torch.empty(T * k, x.shape[1], dtype=torch.float32)
-    start = 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        r = rows[start:start + n]
-        h = torch.ops.localllm_cpu.gguf_linear(r, expert_slice(w13, E, e), w13_type, ACT_LEVELS)
-        if w3:
-            h = torch.cat([h, torch.ops.localllm_cpu.gguf_linear(r, expert_slice(w3, E, e), w3_type, ACT_LEVELS)], 1)
-        if b13 is not None:
-            h = h + b13[e].float()
-        h = activate(h, limit, alpha)
-        y = torch.ops.localllm_cpu.gguf_linear(h, expert_slice(w2, E, e), w2_type, ACT_LEVELS)
-        out[start:start + n] = y if b2 is None else y + b2[e].float()
-        start += n
+    # one C++ call per projection runs every routed expert on its rows (activations quantized once)
+    grouped = torch.ops.localllm_cpu.gguf_linear_grouped
+    h = grouped(rows, w13, w13_type, ACT_LEVELS, offsets)
+    if w3:
+        h = torch.cat([h, grouped(rows, w3, w3_type, ACT_LEVELS, offsets)], 1)
+    if b13 is not None:
+        h = h + b13.index_select(0, expert).float()
+    out = grouped(activate(h, limit, alpha), w2, w2_type, ACT_LEVELS, offsets)
+    if b2 is not None:
+        out = out + b2.index_select(0, expert).float()
     out.mul_(weights.flatten().index_select(0, order).float().unsqueeze(1))
     return torch.zeros(T, x.shape[1], dtype=torch.float32).index_add_(0, tokens, out)
 

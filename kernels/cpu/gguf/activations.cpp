@@ -21,7 +21,7 @@ Activations quantize_rows(const float* x, int64_t M, int64_t K, int64_t levels) 
   float* xd = xf_buf.data();
   float* xs = xd + levels * M * nb;
   float* xs16 = xs + M * nb;
-  at::parallel_for(0, M * nb, 64, [&](int64_t begin, int64_t end) {
+  parallel_for(0, M * nb, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const float* src = x + (i / nb) * K + (i % nb) * 32;
       int8_t* q0 = xq + (i / nb) * K + (i % nb) * 32;

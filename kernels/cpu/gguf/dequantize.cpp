@@ -14,7 +14,7 @@ void dequantize_type(const Packed& w, int64_t N, int64_t K, bool bf16, void* out
   const int64_t tiles = N / kTileN, nb = K / 32;
   float* of = bf16 ? nullptr : static_cast<float*>(out);
   uint16_t* ob = bf16 ? static_cast<uint16_t*>(out) : nullptr;
-  at::parallel_for(0, tiles * nb, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, tiles * nb, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t t = i / nb, b = i % nb;
       const Tiles<Fm, Avx2> at_t(w, t, nb);
@@ -62,7 +62,7 @@ void dequantize_type(const Packed& w, int64_t N, int64_t K, bool bf16, void* out
 
 void dequantize(const Packed& w, int64_t N, int64_t K, int64_t type, bool bf16, void* out) {
   const bool known = with_format(type, [&](auto fm) { dequantize_type<decltype(fm)>(w, N, K, bf16, out); });
-  TORCH_CHECK(known, "GGUF block type ", type, " has no CPU kernel");
+  LOCALLLM_CHECK(known, "GGUF block type ", type, " has no CPU kernel");
 }
 
 }  // namespace localllm_cpu::gguf

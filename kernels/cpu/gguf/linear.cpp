@@ -59,9 +59,9 @@ std::vector<std::pair<int64_t, int>> row_tiles(int64_t begin, int64_t M) {
 
 void linear(const float* x, int64_t M, int64_t K, const Packed& w, int64_t N, int64_t type, int64_t levels, float* y) {
   TileKernels kernels;
-  TORCH_CHECK(tile_kernels_legacy(type, kernels) || tile_kernels_kquant(type, kernels) ||
-                  tile_kernels_table(type, kernels),
-              "GGUF block type ", type, " has no CPU kernel");
+  LOCALLLM_CHECK(tile_kernels_legacy(type, kernels) || tile_kernels_kquant(type, kernels) ||
+                     tile_kernels_table(type, kernels),
+                 "GGUF block type ", type, " has no CPU kernel");
   const int64_t nb = K / 32, tiles = N / kTileN;
   const Activations a = quantize_rows(x, M, K, levels);
 #ifdef LOCALLLM_GGUF_AVX512
@@ -84,7 +84,7 @@ void linear(const float* x, int64_t M, int64_t K, const Packed& w, int64_t N, in
   // units left (all of them without AMX), row tiles innermost
   const int64_t amx_units = amx ? pairs : 0;
   const int64_t items = amx_units + (units - amx_units) * m_tiles;
-  at::parallel_for(0, items, amx ? 1 : 4, [&](int64_t begin, int64_t end) {
+  parallel_for(0, items, amx ? 1 : 4, [&](int64_t begin, int64_t end) {
 #ifdef LOCALLLM_GGUF_AMX
     thread_local std::vector<uint8_t> wbuf;
     bool configured = false;

@@ -115,7 +115,7 @@ void repack_type(const uint8_t* w, int64_t N, int64_t K, uint8_t* codes, uint8_t
   using Fm = Format<T>;
   const int64_t nb = K / 32, tiles = N / kTileN, row_bytes = K / Fm::block_weights * Fm::block_bytes;
   const int64_t per_block = Fm::block_weights / 32, per_super = Fm::super / 32, nsup = K / Fm::super;
-  at::parallel_for(0, tiles * nb, 256, [&](int64_t begin, int64_t end) {
+  parallel_for(0, tiles * nb, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t t = i / nb, b = i % nb;
       uint8_t* cp = codes + i * Fm::code_bytes;
@@ -155,7 +155,7 @@ void repack(const uint8_t* w, int64_t N, int64_t K, int64_t type, uint8_t* codes
   const bool known = with_format(type, [&](auto fm) {
     repack_type<decltype(fm)::type_id>(w, N, K, codes, hi, scales, d);
   });
-  TORCH_CHECK(known, "GGUF block type ", type, " has no CPU kernel");
+  LOCALLLM_CHECK(known, "GGUF block type ", type, " has no CPU kernel");
 }
 
 }  // namespace localllm_cpu::gguf

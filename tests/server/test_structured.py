@@ -58,14 +58,17 @@ def client(served: Served) -> openai.OpenAI:
 async def test_json_schema_validates_for_20_prompts_at_temperature_08(served: Served) -> None:
     aclient = openai.AsyncOpenAI(base_url=served.base, api_key="unused", max_retries=0, timeout=300)
 
-    async def one(subject: str) -> str:
+    async def one(seed: int, subject: str) -> str:
+        # max_tokens covers the schema's longest document: its strings hold 24 + 3 x 12 + 16
+        # characters, and a character outside ASCII can take 2-3 byte tokens (a draw that
+        # wandered into katakana once ran out at 160); seeded, so a failure reproduces
         r = await aclient.chat.completions.create(
             model="any", messages=[{"role": "user", "content": f"Describe {subject} as JSON."}],
-            temperature=0.8, max_tokens=160, response_format=RESPONSE_FORMAT)  # type: ignore[arg-type]
+            temperature=0.8, max_tokens=320, seed=seed, response_format=RESPONSE_FORMAT)  # type: ignore[arg-type]
         assert r.choices[0].finish_reason == "stop", r.choices[0]
         return r.choices[0].message.content or ""
 
-    texts = await asyncio.gather(*(one(s) for s in SUBJECTS))
+    texts = await asyncio.gather(*(one(i, s) for i, s in enumerate(SUBJECTS)))
     await aclient.close()
     for text in texts:
         jsonschema.validate(json.loads(text), SCHEMA)

@@ -350,25 +350,21 @@ GEMMA_FILE = Path(os.environ.get("LOCALLLM_GEMMA_Q4_K_M", "~/.cache/localllm-fix
 LLAMA_SERVER = Path(platformdirs.user_cache_dir("localllm-peers")) / "build" / "bin" / "llama-server"
 
 
-@pytest.mark.skipif(not (GEMMA_FILE.is_file() and LLAMA_SERVER.is_file()),
-                    reason="needs the Gemma 3 270M Q4_K_M file and llama-server (bench/peers.py --build)")
-def test_real_gemma3_file_continues_as_llama_cpp() -> None:
-    """A base model: a plain continuation at temperature 0, token for token what llama-server
-    gives on the same file, over the file's weights dequantized (the block kernels' rounding
-    is tests/kernels' business). 12 tokens: llama.cpp's int8 activations make a near tie
-    later on differ (measured: 32 of 32 and 15 of 32 tokens equal on these prompts)."""
+def llama_server_greedy(path: Path, prompts: list[str] | list[list[int]], n: int, threads: int = 1,
+                        context: int = 256) -> list[list[int]]:
+    """llama-server's greedy continuation (token ids) of each prompt (text or token ids) on
+    ``path``, one slot, no prompt cache."""
     import socket
     import subprocess
     import time
 
     import httpx
 
-    prompts = ["Once upon a time, in a small village", "The capital of France is"]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = subprocess.Popen([str(LLAMA_SERVER), "-m", str(GEMMA_FILE), "--port", str(port), "-t", "2", "-c", "512",
-                               "-np", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen([str(LLAMA_SERVER), "-m", str(path), "--port", str(port), "-t", str(threads),
+                               "-c", str(context), "-np", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 180
@@ -380,12 +376,23 @@ def test_real_gemma3_file_continues_as_llama_cpp() -> None:
                 pass
             assert time.monotonic() < deadline and server.poll() is None, "llama-server did not start"
             time.sleep(0.5)
-        want = [httpx.post(f"{url}/completion", timeout=120, json={
-            "prompt": p, "n_predict": 12, "temperature": 0, "top_k": 1, "return_tokens": True,
+        return [httpx.post(f"{url}/completion", timeout=120, json={
+            "prompt": p, "n_predict": n, "temperature": 0, "top_k": 1, "return_tokens": True,
             "cache_prompt": False}).json()["tokens"] for p in prompts]
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+@pytest.mark.skipif(not (GEMMA_FILE.is_file() and LLAMA_SERVER.is_file()),
+                    reason="needs the Gemma 3 270M Q4_K_M file and llama-server (bench/peers.py --build)")
+def test_real_gemma3_file_continues_as_llama_cpp() -> None:
+    """A base model: a plain continuation at temperature 0, token for token what llama-server
+    gives on the same file, over the file's weights dequantized (the block kernels' rounding
+    is tests/kernels' business). 12 tokens: llama.cpp's int8 activations make a near tie
+    later on differ (measured: 32 of 32 and 15 of 32 tokens equal on these prompts)."""
+    prompts = ["Once upon a time, in a small village", "The capital of France is"]
+    want = llama_server_greedy(GEMMA_FILE, prompts, 12, threads=2, context=512)
     llm = LLM(str(GEMMA_FILE), dtype="float32", device="cpu", max_model_len=256)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == want

@@ -29,7 +29,7 @@ from localllm.models.registry import FAMILIES, model_class
 from localllm.quant.forward import prefill_logits
 from tests.tiers import matrix
 from tests.models.test_families import (  # noqa: F401
-    LLAMA_SERVER, PROMPTS, VOCAB, WINDOW, _hf_greedy, _hf_logits, family_tokenizer)
+    LLAMA_SERVER, PROMPTS, VOCAB, WINDOW, _hf_greedy, _hf_logits, family_tokenizer, llama_server_greedy)
 
 transformers = pytest.importorskip("transformers")
 
@@ -309,38 +309,6 @@ def test_gguf_experts_greedy_tokens_through_the_engine(quantized_moe: QuantizedM
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want
 
 
-def _llama_server_greedy(path: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
-    """llama-server's greedy continuation of token-id prompts on ``path`` (one slot, 1 thread)."""
-    import socket
-    import subprocess
-    import time
-
-    import httpx
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen([str(LLAMA_SERVER), "-m", str(path), "--port", str(port), "-t", "1", "-c", "256",
-                               "-np", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
-        while True:  # 503 while the model loads
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline and server.poll() is None, "llama-server did not start"
-            time.sleep(0.5)
-        return [httpx.post(f"{url}/completion", timeout=120, json={
-            "prompt": p, "n_predict": n, "temperature": 0, "top_k": 1, "return_tokens": True,
-            "cache_prompt": False}).json()["tokens"] for p in prompts]
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
-
-
 @pytest.mark.skipif(not LLAMA_SERVER.is_file(), reason="needs llama-server (bench/peers.py --build)")
 def test_gguf_experts_greedy_tokens_as_llama_cpp(quantized_moe: QuantizedMoE) -> None:
     """The engine's greedy tokens on the quantized file are llama.cpp's on the same model
@@ -352,8 +320,8 @@ def test_gguf_experts_greedy_tokens_as_llama_cpp(quantized_moe: QuantizedMoE) ->
     params = SamplingParams(temperature=0, max_tokens=LLAMA_CPP_TOKENS, ignore_eos=True)
     llm = LLM(str(quantized_moe.quantized), device="cpu", max_model_len=128)
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
-    assert got == _llama_server_greedy(quantized_moe.reference, PROMPTS, LLAMA_CPP_TOKENS)
-    theirs = _llama_server_greedy(quantized_moe.quantized, PROMPTS, LLAMA_CPP_TOKENS)
+    assert got == llama_server_greedy(quantized_moe.reference, PROMPTS, LLAMA_CPP_TOKENS)
+    theirs = llama_server_greedy(quantized_moe.quantized, PROMPTS, LLAMA_CPP_TOKENS)
     assert all(a[:2] == b[:2] for a, b in zip(got, theirs))
     if quantized_moe.name == "gpt_oss":
         assert got == theirs

@@ -209,6 +209,12 @@ def gguf_cases(arch: int) -> Iterator[Case]:
                         kw = dict(c.kwargs, BLOCK_M=bm)
                         yield (f"gguf {name} {act} {label}[{i}] {kw}", fn, ptrs,
                                dict(fmt_cx, **kw, USE_DOT=label != "gemv"), g.launch_options(c))  # fmt: skip
+            # the grouped entry (a MoE's routed experts, one launch per projection): each path's tiles
+            grouped = {**{k: v for k, v in ptrs.items() if k not in ("ws_ptr", "locks_ptr")},
+                       "tile_expert_ptr": "*i32", "tile_row_ptr": "*i64", "offsets_ptr": "*i64"}
+            for label, c in g.GROUPED_CONFIGS.items():
+                yield (f"gguf grouped {name} {act} {label} {c.kwargs}", g._gguf_grouped_kernel, grouped,
+                       dict(fmt_cx, **c.kwargs, USE_DOT=c.kwargs["BLOCK_M"] >= 16), g.launch_options(c))  # fmt: skip
 
 
 GROUPS = {"attention": attention_cases, "elementwise": elementwise_cases, "gemm": gemm_cases, "gguf": gguf_cases}

@@ -1,6 +1,6 @@
 """Times localllm's C++ CPU kernels on model-sized shapes, weights streamed from memory.
 
-    python bench/cpu_kernels.py [--rows 1,4,16] [--levels 2] [--reps 7] [--threads N]
+    python bench/cpu_kernels.py [--rows 1,4,16] [--levels 2] [--head-levels 1] [--reps 7] [--threads N]
                                 [--types Q4_K,Q6_K,...] [--no-attention]
                                 [--model FILE.gguf] [--source DIR]
 
@@ -16,7 +16,9 @@ the figure to hold against the roofline); the CPU and thread count are printed w
 
 --model FILE: instead, one decode step's linears of that GGUF file (every 2-D tensor in its
 own type and shape, random blocks, the tied embedding as the head) at each --rows, with the
-time per type, so a K-quant mix's cost at 16 streams shows which block type it goes to.
+time per type and the head apart (its activations at --head-levels, as the engine runs it), each
+with its packed GB/s and int8 multiply-adds per second, so a K-quant mix's cost at 16 streams
+shows which block type it goes to and whether it is read- or compute-bound.
 --source DIR: build and time a copy of kernels/cpu/ (an A/B of a kernel change in another
 process, without touching the library every test loads).
 """
@@ -38,6 +40,7 @@ import torch  # noqa: E402
 
 from localllm.kernels import cpu_ops  # noqa: E402
 from localllm.quant import gguf_formats as gf  # noqa: E402
+from localllm.quant.gguf import HEAD_ACT_LEVELS  # noqa: E402
 
 LAYERS = 30
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) per layer
@@ -103,6 +106,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,4,16", help="activation rows M of the linears")
     ap.add_argument("--levels", type=int, default=2, help="int8 activation levels (1 or 2)")
+    ap.add_argument("--head-levels", type=int, default=HEAD_ACT_LEVELS,
+                    help="--model: the head's activation levels (default: the engine's, LOCALLLM_GGUF_HEAD_LEVELS)")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: as the CLI sets them)")
     ap.add_argument("--types", default="Q4_0,Q4_1,Q5_0,Q8_0,Q4_K,Q5_K,Q6_K,IQ4_XS,MXFP4",
@@ -115,8 +120,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.source:
-        cpu_ops.SOURCE_DIR = Path(args.source).resolve()
+    if args.source:  # the build reads cpu_build's SOURCE_DIR; cpu_ops re-exports it
+        from localllm.kernels import cpu_build
+
+        cpu_ops.SOURCE_DIR = cpu_build.SOURCE_DIR = Path(args.source).resolve()
     if args.cpu_time:
         global CLOCK
         CLOCK = time.thread_time
@@ -195,13 +202,17 @@ def type_pass(name: str, bw: float, args: argparse.Namespace) -> None:
 def model_step(path: str, args: argparse.Namespace) -> None:
     """Every 2-D tensor of a GGUF file as a linear in its own type (the embedding, when no
     output tensor exists, as the tied head), random blocks: a decode step's linears at each
-    --rows, per type (ms, and share of the step), the step repeated --reps times."""
+    --rows, per type and the head apart (ms, the packed bytes read per ms as GB/s, and int8
+    multiply-adds per second over all levels), the step repeated --reps times. The head runs
+    at --head-levels, the others at --levels, as the engine runs them."""
     from gguf import GGUFReader
 
     ops = torch.ops.localllm_cpu
     reader = GGUFReader(path)
     names = {t.name for t in reader.tensors}
-    weights: list[tuple[str, int, list[torch.Tensor], int]] = []  # (type name, K, packed, type id)
+    head_name = "output.weight" if "output.weight" in names else "token_embd.weight"
+    # (label, K, N, packed, type id, levels)
+    weights: list[tuple[str, int, int, list[torch.Tensor], int, int]] = []
     for t in reader.tensors:
         if len(t.shape) != 2 or (t.name == "token_embd.weight" and "output.weight" in names):
             continue
@@ -209,21 +220,32 @@ def model_step(path: str, args: argparse.Namespace) -> None:
         f = gf.fmt(int(t.tensor_type))
         if not f.cpu_kernel:
             continue
-        weights.append((f.name, k, ops.gguf_repack(type_blocks(f.name, n, k), f.type_id, k), f.type_id))
-    size = sum(sum(p.numel() * p.element_size() for p in w) for _, _, w, _ in weights)
-    print(f"{Path(path).name}: {len(weights)} linears, {size / 1e6:.0f} MB packed, levels={args.levels}")
+        head = t.name == head_name
+        label = f"head {f.name} {n}x{k}" if head else f.name
+        packed = ops.gguf_repack(type_blocks(f.name, n, k), f.type_id, k)
+        weights.append((label, k, n, packed, f.type_id, args.head_levels if head else args.levels))
+    nbytes = {label: 0 for label, *_ in weights}
+    macs = {label: 0 for label, *_ in weights}
+    for label, k, n, w, _, lv in weights:
+        nbytes[label] += sum(p.numel() * p.element_size() for p in w)
+        macs[label] += n * k * lv
+    size = sum(nbytes.values())
+    print(f"{Path(path).name}: {len(weights)} linears, {size / 1e6:.0f} MB packed, levels={args.levels}, "
+          f"head levels={args.head_levels}")
     for m in (int(r) for r in args.rows.split(",")):
-        xs = {k: torch.randn(m, k) for k in {k for _, k, _, _ in weights}}
+        xs = {k: torch.randn(m, k) for k in {k for _, k, _, _, _, _ in weights}}
         per: dict[str, list[float]] = {}
         for _ in range(args.reps):
-            for name, k, w, t in weights:
+            for label, k, _, w, t, lv in weights:
                 t0 = CLOCK()
-                ops.gguf_linear(xs[k], w, t, args.levels)
-                per.setdefault(name, []).append(CLOCK() - t0)
-        by_type = {name: sum(v) / args.reps for name, v in per.items()}
-        step = sum(by_type.values())
-        parts = "  ".join(f"{name} {v * 1e3:.2f}" for name, v in sorted(by_type.items(), key=lambda kv: -kv[1]))
-        print(f"  M={m:3d}: step {step * 1e3:7.2f} ms ({step * 1e3 / m:6.3f} ms/row); by type (ms): {parts}", flush=True)
+                ops.gguf_linear(xs[k], w, t, lv)
+                per.setdefault(label, []).append(CLOCK() - t0)
+        by = {label: sum(v) / args.reps for label, v in per.items()}
+        step = sum(by.values())
+        print(f"  M={m:3d}: step {step * 1e3:7.2f} ms ({step * 1e3 / m:6.3f} ms/row)", flush=True)
+        for label, v in sorted(by.items(), key=lambda kv: -kv[1]):
+            print(f"         {label:24s} {v * 1e3:7.2f} ms {100 * v / step:4.0f}%  {nbytes[label] / v / 1e9:6.1f} GB/s"
+                  f"  {m * macs[label] / v / 1e9:7.1f} G int8 MAC/s", flush=True)
 
 
 if __name__ == "__main__":

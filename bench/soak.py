@@ -2,7 +2,7 @@
 """A soak of ``localllm serve`` that tells warm-up from leaks (issue 33, item 5).
 
     python bench/soak.py                        # 48 clients for 600 s, then the checks
-    python bench/soak.py --quick                # 8 clients for 30 s (what tests/bench/test_soak.py runs)
+    python bench/soak.py --quick                # 8 clients for 30 s (tests/bench/test_soak.py: 10 s, 3+ requests each)
     python bench/soak.py --clients 16 --duration 120 --json soak.json
     python bench/soak.py --duration 0 --prefill-probe        # only the long-prefill probe
 
@@ -173,15 +173,18 @@ async def greedy(client: AsyncOpenAI, prompt: str, max_tokens: int, stream: bool
 
 
 async def soak_client(i: int, base: str, plist: list[str], solo: dict[str, str], max_tokens: int, until: float,
-                      tally: Tally) -> None:
-    """One client: requests one after another until ``until`` (loop time); never retries."""
+                      tally: Tally, min_requests: int = 0) -> None:
+    """One client: requests one after another until ``until`` (loop time), and at least
+    ``min_requests`` of them however long they take; never retries."""
     import openai
 
     rng = random.Random(1000 + i)
     loop = asyncio.get_running_loop()
     client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
     async with httpx.AsyncClient(base_url=base, timeout=300) as http:
-        while loop.time() < until:
+        sent = 0
+        while loop.time() < until or sent < min_requests:
+            sent += 1
             action = rng.random()
             prompt = rng.choice(plist)
             tally.requests += 1
@@ -357,8 +360,8 @@ async def run(opts: argparse.Namespace) -> dict[str, object]:
             t0 = time.monotonic()
             sampling = asyncio.create_task(sampler(pid, base, t0, opts.rss_interval, samples, stop))
             until = loop.time() + opts.duration
-            await asyncio.gather(*(soak_client(i, base, plist, solo, opts.max_tokens, until, tally)
-                                   for i in range(opts.clients)))
+            await asyncio.gather(*(soak_client(i, base, plist, solo, opts.max_tokens, until, tally,
+                                               opts.min_requests) for i in range(opts.clients)))
             load_s = time.monotonic() - t0
             stop.set()
             await sampling
@@ -447,6 +450,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=None, help="prompts in the fixed set (default 12)")
     p.add_argument("--max-tokens", type=int, default=None, help="tokens per reply (default 32)")
     p.add_argument("--rss-interval", type=float, default=None, help="seconds between RSS samples (default 10)")
+    p.add_argument("--min-requests", type=int, default=0,
+                   help="requests each client sends at least, past --duration if need be (default 0): the "
+                        "clients' seeded mix then holds what a check needs on a machine of any speed")
     p.add_argument("--model", default=None, help="model for the server (default: the default model)")
     p.add_argument("--no-deterministic", dest="deterministic", action="store_false",
                    help="serve without --deterministic (to compare; greedy replies may then differ from solo)")
@@ -462,8 +468,10 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in preset.items():
         if getattr(opts, k) is None:
             setattr(opts, k, v)
-    if opts.clients < 1 or opts.duration < 0 or opts.prompts < 1 or opts.max_tokens < 1 or opts.rss_interval <= 0:
-        p.error("--clients, --prompts, --max-tokens and --rss-interval must be positive, --duration at least 0")
+    if (opts.clients < 1 or opts.duration < 0 or opts.prompts < 1 or opts.max_tokens < 1 or opts.rss_interval <= 0
+            or opts.min_requests < 0):
+        p.error("--clients, --prompts, --max-tokens and --rss-interval must be positive, --duration and "
+                "--min-requests at least 0")
     try:
         report = asyncio.run(run(opts))
     except PeerError as e:

@@ -35,6 +35,10 @@ GEMV: each program streams a [BLOCK_N rows x K / SPLIT_K] strip of blocks once, 
 (the last program sums, ``split_k_sum``) spreads a layer over every SM. Larger M uses
 ``tl.dot``: a 16-row split-K tile up to ``SMALL_M``, prefill tiles above. No speed has been
 measured on a GPU yet (bench/aot_check.py compiles every config for sm80/sm89/sm90).
+
+``gguf_grouped`` is the mixture-of-experts entry: a stacked [E * N, K] expert weight and rows
+sorted by expert, every routed expert's rows in one launch (``_gguf_grouped_kernel``, the same
+``_decode_tile``), with no value read back (CUDA-graph safe); see its section below.
 """
 
 from __future__ import annotations
@@ -643,3 +647,159 @@ def gguf_linear(x: torch.Tensor, p: GGUFPacked) -> torch.Tensor:
         if choice == "triton":
             return gguf_linear_triton(x, p)
     return gguf_linear_reference(x, p)
+
+
+# --- grouped: the routed experts of a mixture of experts, one launch per projection --------------
+#
+# A MoE layer's experts are one stacked weight [E * N, K] in one block type (``GGUFPacked`` of
+# E * N rows; expert e's rows are e * N .. (e + 1) * N, as the file stacks them), and its rows
+# of activations come sorted by expert: expert e's rows are ``offsets[e] .. offsets[e + 1]``.
+# One launch runs every expert that got rows: the grid's first axis walks tiles of BLOCK_M rows
+# that never straddle two experts (a table built on the device, ``grouped_tiles``, so nothing
+# is read back: CUDA-graph safe), each program decoding its expert's [BLOCK_N, K] strip of
+# blocks once for the tile's rows. A tile past the last expert's rows exits at once. No split-K:
+# a decode step's T * top_k tiles times N / BLOCK_N strips already fill a GPU.
+
+
+@triton.jit
+def _gguf_grouped_kernel(
+    x_ptr, codes_ptr, high_ptr, scales_ptr, d_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, offsets_ptr,
+    N, K, stride_xm, stride_om,
+    FORMAT: tl.constexpr, BW: tl.constexpr, SUB: tl.constexpr, LO_BITS: tl.constexpr, HI_BITS: tl.constexpr,
+    ND: tl.constexpr, NSC: tl.constexpr, LUT0: tl.constexpr, LUT1: tl.constexpr, LUT2: tl.constexpr,
+    LUT3: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    e = tl.load(tile_expert_ptr + tile)
+    if e < 0:  # past the routed rows
+        return
+    row0 = tl.load(tile_row_ptr + tile)
+    row_end = tl.load(offsets_ptr + e + 1)
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < row_end
+    offs_nl = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_nl < N
+    offs_n = e.to(tl.int64) * N + offs_nl  # the expert's rows of the stacked weight
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kt in range(0, tl.cdiv(K, BLOCK_K)):
+        k0 = kt * BLOCK_K
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        w = _decode_tile(codes_ptr, high_ptr, scales_ptr, d_ptr, offs_n, n_ok, k0, K, FORMAT, BW, SUB,
+                         LO_BITS, HI_BITS, ND, NSC, LUT0, LUT1, LUT2, LUT3, BLOCK_N, BLOCK_K, EVEN_K)
+        if USE_DOT:
+            x = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :],
+                        mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            if DOT_FP32:
+                acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, tl.trans(w.to(x_ptr.dtype.element_ty)), acc)
+        else:  # a few rows per expert (decode): fp32 FMAs on the tile decoded once
+            for i in tl.static_range(BLOCK_M):
+                row = row0 + i
+                xi = tl.load(x_ptr + row.to(tl.int64) * stride_xm + offs_k, mask=k_ok & (row < row_end),
+                             other=0.0).to(tl.float32)
+                part = tl.sum(w * xi[None, :], axis=1)
+                acc += tl.where(tl.arange(0, BLOCK_M)[:, None] == i, part[None, :], 0.0)
+    offs_out = offs_m.to(tl.int64)[:, None] * stride_om + offs_nl[None, :]
+    tl.store(out_ptr + offs_out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+# Fixed launches, no autotuning (yet): rows per expert decide the path, as gguf_linear's M does.
+# The FMA path is gguf_linear's GEMV tile (its register cap too); the dot tiles its small-M and
+# prefill ones without split-K.
+GROUPED_GEMV_ROWS = 4  # total routed rows per expert on average up to here: the FMA path
+_GROUPED_GEMV = _Capped({"BLOCK_M": 4, "BLOCK_N": 32, "BLOCK_K": 128}, 4, 3)
+_GROUPED_SMALL = Config({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64}, 4, 3)
+_GROUPED_GEMM = Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}, 4, 3)
+GROUPED_CONFIGS = {"gemv": _GROUPED_GEMV, "small": _GROUPED_SMALL, "gemm": _GROUPED_GEMM}
+_INTERPRET_GROUPED = {"gemv": Config({"BLOCK_M": 2, "BLOCK_N": 32, "BLOCK_K": 64}, 4, 1),
+                      "small": Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64}, 4, 1)}
+
+
+def grouped_path(rows: int, experts: int) -> str:
+    """The launch a grouped call of ``rows`` routed rows over ``experts`` experts takes, by
+    the rows an expert gets if they spread over as many experts as they can (the host does
+    not read the routing)."""
+    per_expert = rows / max(1, min(rows, experts))
+    return "gemv" if per_expert <= GROUPED_GEMV_ROWS else "small" if per_expert <= 2 * SMALL_M else "gemm"
+
+
+def expert_slice(p: GGUFPacked, experts: int, e: int) -> GGUFPacked:
+    """Expert ``e``'s rows of a stacked weight: views, no copy."""
+    n = p.out_features // experts
+    rows = slice(e * n, (e + 1) * n)
+    return GGUFPacked(p.fmt, n, p.in_features, p.codes[rows], p.high[rows], p.scales[rows], p.d[rows], p.lut)
+
+
+def grouped_tiles(offsets: torch.Tensor, block_m: int, max_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(expert int32, first row int64) of each of ``max_tiles`` tiles of ``block_m`` rows over
+    rows sorted by expert (``offsets`` int64 [E + 1]); expert -1 past the last tile. Torch ops
+    on the offsets' device, no value read back."""
+    experts = offsets.numel() - 1
+    counts = offsets[1:] - offsets[:-1]
+    tiles = (counts + block_m - 1) // block_m
+    ends = torch.cumsum(tiles, 0)
+    slots = torch.arange(max_tiles, device=offsets.device, dtype=ends.dtype)
+    e = torch.searchsorted(ends, slots, right=True)
+    ec = e.clamp(max=experts - 1)
+    row0 = offsets.index_select(0, ec) + (slots - (ends - tiles).index_select(0, ec)) * block_m
+    return torch.where(e < experts, ec, -1).to(torch.int32), row0
+
+
+def gguf_grouped_triton(x: torch.Tensor, p: GGUFPacked, experts: int, offsets: torch.Tensor, *,
+                        config: Config | None = None) -> torch.Tensor:
+    """[R, N] = for each expert e, x[offsets[e]:offsets[e + 1]] @ W_e.T, where ``p`` stacks the
+    ``experts`` weights W_e [N, K] and x [R, K] holds rows sorted by expert. One launch.
+    ``config`` pins the tiles (tests); otherwise the path by rows per expert (``grouped_path``)."""
+    layout = p.layout
+    k, n = p.in_features, p.out_features // experts
+    assert x.dim() == 2 and x.shape[1] == k, f"x is {list(x.shape)}, the {p.fmt} experts take {k} features"
+    assert p.out_features % experts == 0 and offsets.numel() == experts + 1
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    r = x.shape[0]
+    out = torch.empty((r, n), dtype=x.dtype, device=x.device)
+    if r == 0 or n == 0:
+        return out
+    path = grouped_path(r, experts)
+    if config is None:
+        config = GROUPED_CONFIGS[path] if gpu_tiles(x) else _INTERPRET_GROUPED["gemv" if path == "gemv" else "small"]
+    kw = config.kwargs
+    assert kw["BLOCK_K"] % layout.sub_block == 0, f"BLOCK_K {kw['BLOCK_K']} splits a {p.fmt} sub-block"
+    bm = kw["BLOCK_M"]
+    max_tiles = min(r, triton.cdiv(r, bm) + experts)  # every tile but the last of each expert is full
+    tile_expert, tile_row = grouped_tiles(offsets.to(torch.int64), bm, max_tiles)
+    high = p.high if p.high.numel() else p.codes
+    scales = p.scales if p.scales.numel() else p.codes
+    d = p.d if p.d.numel() else p.codes
+    consts: dict[str, int | bool] = dict(
+        FORMAT=layout.type_id, BW=layout.block_weights, SUB=layout.sub_block, LO_BITS=layout.lo_bits,
+        HI_BITS=layout.hi_bits, ND=layout.nd, NSC=layout.nsc, **lut_words(p.fmt),
+        USE_DOT=bm >= 16, DOT_FP32=dot_fp32(x), EVEN_K=k % kw["BLOCK_K"] == 0,
+    )
+    grid = (max_tiles, triton.cdiv(n, kw["BLOCK_N"]))
+    _gguf_grouped_kernel[grid](x, p.codes, high, scales, d, out, tile_expert, tile_row, offsets.to(torch.int64),
+                               n, k, x.stride(0), out.stride(0), **consts, **kw, **launch_options(config))
+    return out
+
+
+def gguf_grouped_reference(x: torch.Tensor, p: GGUFPacked, experts: int, offsets: torch.Tensor) -> torch.Tensor:
+    """``gguf_grouped_triton``'s torch reference: one ``gguf_linear_reference`` per expert
+    with rows (reads the offsets back: not for a captured graph)."""
+    bounds = offsets.tolist()
+    out = torch.empty((x.shape[0], p.out_features // experts), dtype=x.dtype, device=x.device)
+    for e in range(experts):
+        lo, hi = bounds[e], bounds[e + 1]
+        if hi > lo:
+            out[lo:hi] = gguf_linear_reference(x[lo:hi], expert_slice(p, experts, e))
+    return out
+
+
+def gguf_grouped(x: torch.Tensor, p: GGUFPacked, experts: int, offsets: torch.Tensor) -> torch.Tensor:
+    """The routed experts' rows through their stacked GGUF weight: the Triton launch on CUDA
+    (and in a rehearsal), the torch reference elsewhere."""
+    if use_triton(x):
+        return gguf_grouped_triton(x, p, experts, offsets)
+    return gguf_grouped_reference(x, p, experts, offsets)

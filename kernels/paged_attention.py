@@ -678,15 +678,17 @@ def paged_attention(
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``batch_invariant`` (CPU): every row's numbers depend on its own sequence only. Every
+    """``batch_invariant``: every row's numbers depend on its own sequence only. On CUDA, decode
+    rows take one key slice. On the CPU every
     prompt chunk takes the in-place C++ kernel (longer ones otherwise take SDPA, whose rows change
     with the chunk's length) with its keys in one slice (otherwise the slices follow the batch's
     size and longest context). ``sliding_window``: see the module docstring. ``sinks`` [H]:
     gpt-oss's per-head sink logit (``paged_attention_sinks_ref``), which every path takes."""
     if use_triton(q):
+        # batch_invariant: one key slice per decode row (the split count follows the batch)
         return paged_attention_triton(
             q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, num_decodes,
-            k_scale, v_scale, sliding_window=sliding_window, sinks=sinks,
+            k_scale, v_scale, sliding_window=sliding_window, sinks=sinks, num_splits=1 if batch_invariant else None,
         )  # fmt: skip
     if cpu_ops.usable(q, k_cache):
         splits = 1 if batch_invariant else 0

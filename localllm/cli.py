@@ -137,6 +137,9 @@ environment variables:
   LOCALLLM_GGUF_ACT_LEVELS
                         1: one int8 level for activations on GGUF weights (llama.cpp's; faster,
                         less exact); default 2
+  LOCALLLM_GGUF_HEAD_LEVELS
+                        int8 levels of the GGUF head's activations; default 1 (2: as the
+                        other linears)
   LOCALLLM_TRITON_ON_CPU
                         1: run CPU tensors through the Triton kernels under the interpreter
                         (the GPU path rehearsed; implies TRITON_INTERPRET=1)

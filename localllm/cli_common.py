@@ -59,8 +59,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-compile", action="store_true",
                    help="CPU: run the decode step eagerly instead of through torch.compile (also LOCALLLM_NO_COMPILE=1)")
     p.add_argument("--deterministic", action="store_true",
-                   help="the same greedy tokens for a prompt alone or in any batch (GGUF plans on CPU): every row on"
-                        " the integer kernels and an eager decode step, at some speed (docs/serve.md)")
+                   help="the same greedy tokens for a prompt alone or in any batch (every CPU plan: GGUF, fp32, bf16):"
+                        " fixed-order kernels and an eager decode step, at some speed (docs/serve.md)")
     add_kv_cache_args(p)
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 5,'

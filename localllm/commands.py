@@ -20,7 +20,9 @@ if TYPE_CHECKING:
     from localllm.engine.engine import EngineStats, LLMEngine, Prompt, RequestOutput
     from localllm.engine.sequence import SamplingParams
     from localllm.hardware.probe import MemoryMeter
+    from localllm.reasoning import ReasoningFormat, ReasoningParser
     from localllm.server.remote import RemoteEngine
+    from localllm.tokenizer import Tokenizer
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,9 +53,17 @@ def run(args: argparse.Namespace) -> int:
         if not args.raw and llm.tokenizer.template_note:
             print(f"localllm: note: {llm.tokenizer.template_note}", file=sys.stderr)
     load_s = time.monotonic() - started
+    split: ReplySplit | None = None
+    if llm is not None and not args.raw:
+        from localllm.reasoning import format_for
+
+        fmt = format_for(llm.tokenizer, llm.runner.model.config.architecture)
+        split = ReplySplit(fmt, llm.tokenizer) if fmt is not None else None
     try:
         params = sampling_from_args(args, engine.sampling_defaults)
-        result = asyncio.run(_reply(engine, prompt, params, echo=not args.json))
+        if split is not None:  # harmony's markers are special tokens: kept for the parser
+            params.skip_special_tokens = split.format.skip_special_tokens
+        result = asyncio.run(_reply(engine, prompt, params, echo=not args.json, split=split))
         if llm is not None:
             if args.json:  # the report holds memory against the plan: the whole KV pool, held by then
                 llm.runner.kv_cache.wait_reserved()
@@ -67,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         return 0
     report = _report(result, engine.stats(), params, engine.sampling_defaults, time.monotonic() - started)
+    if split is not None:  # the answer as text, the reasoning beside it (the server's reasoning_content)
+        report["text"], report["reasoning"] = "".join(split.content), "".join(split.reasoning)
     if remote is not None:
         report["endpoint"] = remote.endpoint
     if llm is not None:
@@ -104,11 +116,46 @@ def _load(args: argparse.Namespace) -> tuple[Callable[[], LLMEngine], MemoryMete
     return (lambda: LLMEngine(config, progress=progress_printer())), meter
 
 
-async def _reply(engine: AsyncEngine | RemoteEngine, prompt: Prompt, params: SamplingParams, echo: bool) -> RequestOutput:
+class ReplySplit:
+    """A thinking model's reply as `run` shows it: the answer on stdout, the reasoning on
+    stderr (dimmed on a terminal), so a pipe gets the answer alone; localllm.reasoning's
+    parser, started where the prompt leaves the reply."""
+
+    def __init__(self, fmt: ReasoningFormat, tokenizer: Tokenizer) -> None:
+        self.format, self.tokenizer = fmt, tokenizer
+        self.parser: ReasoningParser | None = None
+        self.reasoning: list[str] = []
+        self.content: list[str] = []
+        self.answered = False
+
+    def add(self, out: RequestOutput, echo: bool) -> None:
+        from localllm.reasoning import prompt_tail
+
+        if self.parser is None:
+            self.parser = self.format.parser(prompt_tail(self.tokenizer, out.prompt_token_ids))
+        delta = self.parser.read(out.outputs[0].delta_text, finished=out.finished)
+        self.reasoning.append(delta.reasoning)
+        self.content.append(delta.content)
+        if echo and delta.reasoning:
+            dim = sys.stderr.isatty()
+            sys.stderr.write(f"\x1b[2m{delta.reasoning}\x1b[0m" if dim else delta.reasoning)
+            sys.stderr.flush()
+        if echo and delta.content:
+            if not self.answered and any(self.reasoning):  # the answer starts below the reasoning
+                sys.stderr.write("\n")
+            self.answered = True
+            sys.stdout.write(delta.content)
+            sys.stdout.flush()
+
+
+async def _reply(engine: AsyncEngine | RemoteEngine, prompt: Prompt, params: SamplingParams, echo: bool,
+                 split: ReplySplit | None = None) -> RequestOutput:
     final = None
     try:
         async for out in engine.generate(prompt, params):
-            if echo and out.outputs[0].delta_text:
+            if split is not None:
+                split.add(out, echo)
+            elif echo and out.outputs[0].delta_text:
                 sys.stdout.write(out.outputs[0].delta_text)
                 sys.stdout.flush()
             final = out

@@ -21,6 +21,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from localllm import harmony
 from localllm.errors import LocalLLMError
 
 Message = dict[str, Any]  # role and content, plus tool_calls / tool_call_id in tool conversations
@@ -36,6 +37,13 @@ PLAIN_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
 )
 
+# gpt-oss's harmony format: what a template that speaks it writes, the tokens that end a reply
+# (the answer's <|return|>, a tool call's <|call|>) and the one that ends a message but not the
+# reply (the reasoning's <|end|>; an eos that names it is dropped).
+HARMONY_HEADER = "<|channel|>"
+HARMONY_STOPS = ("<|return|>", "<|call|>")
+HARMONY_MESSAGE_ENDS = ("<|end|>",)
+
 # The variables the renderer sets itself; chat_template_kwargs may not replace them.
 TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools", "bos_token", "eos_token",
                              "raise_exception", "strftime_now"})
@@ -50,6 +58,12 @@ _LLAMA3_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# gpt-oss's o200k_harmony (tiktoken's o200k_base split; llama.cpp's "gpt-4o")
+_O200K_REGEX = "|".join([
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"\p{N}{1,3}", r" ?[^\s\p{L}\p{N}]+[\r\n/]*", r"\s*[\r\n]+", r"\s+(?!\S)", r"\s+",
+])
 _QWEN2_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -68,9 +82,12 @@ def _gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     if pre in ("qwen2", "deepseek-r1-qwen"):
         split = pre_tokenizers.Split(Regex(_QWEN2_REGEX), behavior="isolated")
         return pre_tokenizers.Sequence([split, byte_level])
+    if pre == "gpt-4o":
+        split = pre_tokenizers.Split(Regex(_O200K_REGEX), behavior="isolated")
+        return pre_tokenizers.Sequence([split, byte_level])
     if pre in ("gpt2", "gpt-2", "default", ""):
         return pre_tokenizers.ByteLevel(add_prefix_space=False)
-    raise LocalLLMError(f"GGUF pre-tokenizer {pre!r} is not supported (smollm, gpt2, llama-bpe, qwen2)")
+    raise LocalLLMError(f"GGUF pre-tokenizer {pre!r} is not supported (smollm, gpt2, llama-bpe, qwen2, gpt-4o)")
 
 
 def _gguf_bpe(tokens: list[str], fields: dict[str, Any]) -> HFTokenizer:
@@ -80,7 +97,7 @@ def _gguf_bpe(tokens: list[str], fields: dict[str, Any]) -> HFTokenizer:
     pre = fields.get("tokenizer.ggml.pre", "gpt2")
     # Llama 3's tokenizer emits a pre-token that is itself in the vocabulary without merging
     # (HF's ignore_merges, llama.cpp's too): some such tokens no merge sequence reaches.
-    ignore_merges = pre in ("llama-bpe", "llama3")
+    ignore_merges = pre in ("llama-bpe", "llama3", "gpt-4o")  # tiktoken's rule too
     backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
                                      ignore_merges=ignore_merges))
     backend.pre_tokenizer = _gguf_pre_tokenizer(pre)
@@ -205,6 +222,11 @@ class Tokenizer:
         return added is not None and added.special
 
     @property
+    def speaks_harmony(self) -> bool:
+        """Whether chats are gpt-oss's harmony messages (localllm/harmony.py renders them)."""
+        return _speaks_harmony(self.backend, self.chat_template)
+
+    @property
     def supports_tools(self) -> bool:
         """Whether the chat template reads a ``tools`` variable, which is how HF hands it the
         tool list; a template without one cannot tell the model about tools."""
@@ -248,6 +270,9 @@ class Tokenizer:
                     check_text(value, f"a chat message's {key}")
         messages = [{**m, "thinking": m["reasoning_content"]}
                     if isinstance(m.get("reasoning_content"), str) and "thinking" not in m else m for m in messages]
+        if self.speaks_harmony and harmony.renders(messages, tools):
+            # as openai-harmony renders it (vLLM's prompt), not the shipped template (localllm/harmony.py)
+            return harmony.render(messages, add_generation_prompt, extra)
         rendered = self._render(messages, add_generation_prompt, tools, extra)
         last = next((m["content"].strip() for m in reversed(messages)
                      if m["role"] == "user" and isinstance(m["content"], str) and m["content"].strip()), None)
@@ -299,6 +324,8 @@ class Tokenizer:
         """Set when the model ships no chat template, saying what renders chats instead."""
         if self.chat_template:
             return None
+        if self.speaks_harmony:
+            return "the model ships no chat template; chats use gpt-oss's harmony format, which its vocabulary has tokens for"
         if self._fallback_template() is CHATML_TEMPLATE:
             return "the model ships no chat template; chats use ChatML, which its vocabulary has tokens for"
         return ("the model ships no chat template; chats use plain 'User: ...' / 'Assistant:' turns, which it "
@@ -398,11 +425,25 @@ class Tokenizer:
     ) -> Tokenizer:
         # A chat model's turn terminator also ends the reply, even where the config names only
         # the document eos (SmolLM2's GGUF lists <|endoftext|> but the reply ends with <|im_end|>).
-        for end in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>"):
+        # Harmony (gpt-oss) is the exception: <|end|> closes each message, the reasoning too, and
+        # the reply ends at <|return|> (the answer) or <|call|> (a tool call), as vLLM stops it.
+        harmony = _speaks_harmony(backend, template)
+        ends = HARMONY_STOPS if harmony else ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
+        if harmony:
+            eos_ids = [i for i in eos_ids if backend.id_to_token(i) not in HARMONY_MESSAGE_ENDS]
+        for end in ends:
             tid = backend.token_to_id(end)
-            if tid is not None and template and end in template:
+            if tid is not None and (harmony or template and end in template):
                 eos_ids.append(tid)
         return cls(backend, template, bos, eos, bos_id, tuple(dict.fromkeys(eos_ids)), add_bos, add_eos)
+
+
+def _speaks_harmony(backend: HFTokenizer, template: str | None) -> bool:
+    """gpt-oss's format: a template that writes harmony headers, or none and a vocabulary of
+    harmony's tokens."""
+    if template:
+        return HARMONY_HEADER in template
+    return all(backend.token_to_id(t) is not None for t in harmony.TOKENS)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -115,6 +115,16 @@ def reference_logits(cfg: ModelConfig, sd: dict[str, torch.Tensor], token_ids: l
     return x @ head.T
 
 
+def reference_greedy_choices(cfg: ModelConfig, sd: dict[str, torch.Tensor], prompt: list[int],
+                             tokens: list[int]) -> list[int]:
+    """The reference's greedy choice after ``prompt + tokens[:i]``, for every i, in one pass
+    (the model is causal: row ``len(prompt) - 1 + i`` sees exactly that prefix). It equals
+    ``tokens`` exactly when ``tokens`` is ``reference_greedy(cfg, sd, prompt, len(tokens))``,
+    without a forward pass per token."""
+    logits = reference_logits(cfg, sd, list(prompt) + list(tokens[:-1]))
+    return logits[len(prompt) - 1:].argmax(-1).tolist()
+
+
 def hf_state_dict(ckpt) -> dict[str, torch.Tensor]:  # noqa: ANN001 - a loader Checkpoint
     return {k: v.float() for k, v in ckpt.weights()}
 

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from subprocess import CompletedProcess
 
 import pytest
 
@@ -19,7 +22,23 @@ def cli(*args: str, env: dict[str, str] | None = None, timeout: int = 300) -> su
                           timeout=timeout, env={**os.environ, **(env or {})})
 
 
-def assert_one_line_error(proc: subprocess.CompletedProcess[str], *fragments: str) -> None:
+def cli_here(*args: str) -> CompletedProcess[str]:
+    """``localllm ARGS`` in this process: ``main(argv)`` as the console script calls it, less the
+    signal handlers and the exit (``cli.main``). For paths that end before a model loads, where
+    a fresh interpreter only adds its ~2 s of imports; the console script itself runs in the
+    tests that call ``cli``."""
+    from localllm.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as e:  # argparse: --help, a usage error
+            code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    return CompletedProcess(["localllm", *args], code, out.getvalue(), err.getvalue())
+
+
+def assert_one_line_error(proc: CompletedProcess[str], *fragments: str) -> None:
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.strip().splitlines() if line.startswith("localllm: error:")]
     assert len(lines) == 1, proc.stderr
@@ -50,7 +69,7 @@ def test_missing_path() -> None:
 
 
 def test_unknown_model_name() -> None:
-    assert_one_line_error(cli("run", "--model", "no-such-model", "hi"), "no-such-model", "localllm models")
+    assert_one_line_error(cli_here("run", "--model", "no-such-model", "hi"), "no-such-model", "localllm models")
 
 
 def test_truncated_safetensors(tiny_model: Path, tmp_path: Path) -> None:
@@ -60,20 +79,20 @@ def test_truncated_safetensors(tiny_model: Path, tmp_path: Path) -> None:
     shutil.copytree(tiny_model, broken)
     data = (broken / "model.safetensors").read_bytes()
     (broken / "model.safetensors").write_bytes(data[: len(data) // 2])
-    assert_one_line_error(cli("run", "--model", str(broken), "hi"), "model.safetensors", "truncated")
+    assert_one_line_error(cli_here("run", "--model", str(broken), "hi"), "model.safetensors", "truncated")
 
 
 def test_corrupt_gguf(tmp_path: Path) -> None:
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + os.urandom(200))
-    assert_one_line_error(cli("run", "--model", str(bad), "hi"), "bad.gguf", "GGUF")
+    assert_one_line_error(cli_here("run", "--model", str(bad), "hi"), "bad.gguf", "GGUF")
 
 
 def test_truncated_gguf(tmp_path: Path, default_model_path: Path) -> None:
     cut = tmp_path / "cut.gguf"
     with open(default_model_path, "rb") as f:
         cut.write_bytes(f.read(5_000_000))
-    assert_one_line_error(cli("run", "--model", str(cut), "hi"), "cut.gguf")
+    assert_one_line_error(cli_here("run", "--model", str(cut), "hi"), "cut.gguf")
 
 
 def test_unsupported_architecture(tiny_model: Path, tmp_path: Path) -> None:
@@ -84,7 +103,7 @@ def test_unsupported_architecture(tiny_model: Path, tmp_path: Path) -> None:
     cfg = json.loads((other / "config.json").read_text())
     cfg["architectures"] = ["GPT2LMHeadModel"]
     (other / "config.json").write_text(json.dumps(cfg))
-    assert_one_line_error(cli("run", "--model", str(other), "hi"), "GPT2LMHeadModel", "not supported")
+    assert_one_line_error(cli_here("run", "--model", str(other), "hi"), "GPT2LMHeadModel", "not supported")
 
 
 def test_malformed_catalog(tmp_path: Path) -> None:
@@ -105,25 +124,25 @@ def test_prompt_longer_than_context(tiny_model: Path) -> None:
 ])
 def test_debug_anywhere_shows_the_traceback(args: tuple[str, ...]) -> None:
     """Issue 33: the traceback, and still exit code 2 for bad input (it was 1) with the one line last."""
-    proc = cli(*args)
+    proc = cli_here(*args)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" in proc.stderr and "no-such-model" in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("localllm: error:"), proc.stderr
 
 
 def test_bad_sampling_flag_fails_before_loading() -> None:
-    assert_one_line_error(cli("run", "--top-p", "0", "hi"), "top_p")
+    assert_one_line_error(cli_here("run", "--top-p", "0", "hi"), "top_p")
 
 
 def test_unknown_quant_method_lists_every_method() -> None:
     from localllm.quant.methods import METHODS
 
-    proc = cli("run", "--quant", "bogus", "hi")
+    proc = cli_here("run", "--quant", "bogus", "hi")
     assert_one_line_error(proc, "bogus", *METHODS)
     for command in ("run", "serve", "bench"):
-        shown = " ".join(cli(command, "--help").stdout.split())  # argparse wraps the help text
+        shown = " ".join(cli_here(command, "--help").stdout.split())  # argparse wraps the help text
         assert all(m in shown for m in METHODS), (command, shown)
-    shown = " ".join(cli("quantize", "--help").stdout.split())
+    shown = " ".join(cli_here("quantize", "--help").stdout.split())
     assert f"one of {', '.join(METHODS)}" in shown
 
 def test_top_k_over_the_vocabulary(tiny_model: Path) -> None:
@@ -134,7 +153,7 @@ def test_top_k_over_the_vocabulary(tiny_model: Path) -> None:
 
 def test_bad_sampling_flags_fail_before_loading() -> None:
     for flag, value in (("--temperature", "nan"), ("--top-p", "inf"), ("--max-tokens", "0"), ("--top-k", "-5")):
-        assert_one_line_error(cli("run", "--model", "/no/such/model", flag, value, "hi"), flag[2:].replace("-", "_"))
+        assert_one_line_error(cli_here("run", "--model", "/no/such/model", flag, value, "hi"), flag[2:].replace("-", "_"))
 
 
 
@@ -199,7 +218,7 @@ def test_predicted_memory_matches_measured_on_cpu() -> None:
 def test_help_lists_chat_first_and_every_environment_variable() -> None:
     import re
 
-    proc = cli("--help")
+    proc = cli_here("--help")
     assert proc.returncode == 0
     commands = re.findall(r"^    (\w+)  ", proc.stdout, flags=re.M)
     assert commands[0] == "chat" and {"run", "serve", "pull", "models", "probe"} <= set(commands)

@@ -28,7 +28,7 @@ LAZY_TARGET = re.compile(r"^(localllm(?:\.\w+)+):\w+$")
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundation", ("localllm.errors", "localllm.paths", "localllm.console", "localllm.catalog",
                     "localllm.models.config", "localllm.models.kv_spec",  # torch-free: the catalog reads them
-                    "localllm.history", "localllm.tokenizer", "localllm.reasoning",
+                    "localllm.history", "localllm.tokenizer", "localllm.harmony", "localllm.reasoning",
                     "localllm.quant.gguf_formats")),  # the GGUF traits table: no imports; the GPU kernels read it
     ("kernels", ("localllm.kernels.*",)),
     ("the model", ("localllm.models.*", "localllm.quant.*")),

@@ -18,7 +18,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from localllm.kernels import cpu_ops
+from localllm.kernels import cpu_build, cpu_ops
+from tests.models.test_random_models import tokenizer_folder, write_random_model  # noqa: F401 (fixture)
 
 COMPILERS = ("cc1plus", "g++", "c++", "clang", "gcc", "cc", "as", "ld")
 MAIN = "import sys\nfrom localllm.cli import main\nsys.argv[0] = 'localllm'\nsys.exit(main())\n"
@@ -106,16 +107,21 @@ def test_sighup_during_the_kernel_build_ends_run_and_its_compilers(default_model
 
 @pytest.mark.skipif(cpu_ops.compiler() is None or not cpu_ops.has_gguf_kernels(),
                     reason="the compile needs a C++ compiler, the default plan the CPU kernels")
-def test_sigterm_during_the_background_compile_ends_run_and_its_compilers(default_model_path: Path,
+def test_sigterm_during_the_background_compile_ends_run_and_its_compilers(tokenizer_folder: Path,  # noqa: F811
                                                                           tmp_path: Path) -> None:
     """A cache with the CPU kernels built but no decode graph: `run` answers from the eager
     path while Inductor compiles the decode step (its g++ children); a SIGTERM then ends it
-    with 143 and every compiler it started."""
+    with 143 and every compiler it started. A tiny random llama (2 layers): Dynamo traces it
+    in a moment, where the default model's 30 layers took most of this test's time before
+    the first g++ (how run stops does not depend on the model)."""
+    model = write_random_model(tmp_path / "llama", "LlamaForCausalLM", tokenizer_folder)
     cache = tmp_path / "cache"
-    lib = cpu_ops._library_path()  # built by has_gguf_kernels(): copied, no kernel build here
+    if cpu_build.background_build is not None:  # a staged first build: the whole library follows
+        cpu_build.background_build.join()
+    lib = cpu_build._library_path()  # the whole library, copied: no kernel build in the child
     (cache / lib.relative_to(cpu_ops.compiled_cache_dir())).parent.mkdir(parents=True)
     shutil.copy2(lib, cache / lib.relative_to(cpu_ops.compiled_cache_dir()))
-    code, err, tree = _stop_while_compiling(_run_cmd(default_model_path), _env(cache), signal.SIGTERM)
+    code, err, tree = _stop_while_compiling(_run_cmd(model), _env(cache), signal.SIGTERM)
     assert code == 128 + signal.SIGTERM, err
     assert "Traceback" not in err and "terminate called" not in err, err
     _assert_all_gone(tree, grace_s=0.0)  # ended before the exit (cli._end_now)

@@ -18,10 +18,12 @@ Measures (``--only``, default all):
 - ``seq8``: 8 requests one after another, 128 tokens each, through the servers.
 - ``server8``, ``server16``: 8 and 16 concurrent streams, 128 tokens each, aggregate output tok/s.
 - ``prefix``: a 1,516-token prompt, cold TTFT, then the same prompt again (prefix cache hit).
-- ``spec`` (only when named): each server with its n-gram speculation on (ours
-  ``--speculative-ngram 10``, llama-server ``--spec-type ngram-simple``), one greedy stream of
-  a reply that copies its prompt (a code file to repeat) and one of prose; decode tok/s (the
-  tokens after the first over the time after it).
+- ``spec`` (only when named): three servers per trial: ours with n-gram speculation
+  (``--speculative-ngram 10``), ours without, llama-server with its own (``--spec-type
+  ngram-simple``); one greedy stream of a reply that copies its prompt (a code file to repeat)
+  and one of prose, decode tok/s (the tokens after the first over the time after it); then,
+  ours only, 16 concurrent streams. Rows: ours over llama.cpp (code, prose) and ours with
+  speculation over ours without (code, prose, 16 streams).
 
 Servers: ``llama-server -np 16 -c 32768 -t T`` and ``localllm serve --max-num-seqs 16``, each
 started fresh for every trial and measured once ``/health`` answers 200 (llama-server answers

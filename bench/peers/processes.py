@@ -158,6 +158,7 @@ class Server:
         self.base = f"http://127.0.0.1:{port}"
         self.log = tempfile.NamedTemporaryFile(prefix=f"peers-{name}-", suffix=".log", delete=False)
         self.proc: subprocess.Popen[bytes] | None = None
+        self.uncompiled = False  # set at exit: the log says the decode step ran eager
 
     def _tail(self) -> str:
         lines = Path(self.log.name).read_text(errors="replace").strip().splitlines()
@@ -194,6 +195,9 @@ class Server:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+        # a decode step that could not be compiled runs eager: its figures are not the steady state
+        self.uncompiled = any("decoding without it" in line for line in
+                              Path(self.log.name).read_text(errors="replace").splitlines())
         if exc and exc[0] is None:
             Path(self.log.name).unlink(missing_ok=True)  # keep the log of a failed trial
 

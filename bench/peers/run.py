@@ -33,6 +33,7 @@ EXTRA_MEASURES = ("spec",)
 # our n-gram speculation's most proposals a step (the adaptive k picks at or below it);
 # llama-server's ngram-simple runs with its own defaults (a 12-token lookup, up to 48 drafted)
 SPEC_K = 10
+SPEC_OFF_SIDE = "localllm_nospec"  # the spec measure's third side: our server without speculation
 SERVER_SLOTS, SERVER_CONTEXT = 16, 32768
 
 
@@ -169,26 +170,34 @@ class Bench:
         o = self.o
         if o.llama.server is None:
             self.skip(o.llama.missing("llama-server"))
-        sides = [("localllm", our_server_argv, {**os.environ, **self.our_env()}, self.our_env())]
+        spec = measure == "spec"
+        ours_env = {**os.environ, **self.our_env()}
+        sides = [("localllm", our_server_argv, ours_env, self.our_env(), spec)]
+        if spec:  # our own decode without speculation: what the speed-up is over
+            sides.append((SPEC_OFF_SIDE, our_server_argv, ours_env, self.our_env(), False))
         if o.llama.server is not None:
-            sides.append(("llama.cpp", their_server_argv, llama_cpp_env(), self.their_env()))
+            sides.append(("llama.cpp", their_server_argv, llama_cpp_env(), self.their_env(), spec))
+        if spec and trial % 2:  # load drift falls on every side alike
+            sides.reverse()
         # one nonce per trial, the same for both sides: the same prompts, token for token
         nonce = f"{random.getrandbits(24):06x}"
         prefix_messages = prompt_of(self.tokenizer, o.prefix_tokens, nonce) if measure == "prefix" else None
-        for side, argv_of, env, shown_env in sides:
+        for side, argv_of, env, shown_env, spec_on in sides:
             port = free_port()
-            argv = argv_of(o, port, measure == "spec")
-            name = "localllm serve" if side == "localllm" else "llama-server"
+            argv = argv_of(o, port, spec_on)
+            name = "llama-server" if side == "llama.cpp" else "localllm serve"
             shown = _show(argv, shown_env).replace(f" {port}", " PORT")
-            self.commands.setdefault("spec_servers" if measure == "spec" else "servers", {})[side] = shown
-            o.say(f"{measure} trial {trial + 1}/{o.trials}: {name}")
+            self.commands.setdefault("spec_servers" if spec else "servers", {})[side] = shown
+            o.say(f"{measure} trial {trial + 1}/{o.trials}: {name}" + (f" (speculation {'on' if spec_on else 'off'})" if spec else ""))
             async with Server(name, argv, port, env, o.ready_timeout_s) as server:
-                value = await self._measure_server(measure, server.base, nonce, prefix_messages)
+                value = await self._measure_server(measure, server.base, nonce, prefix_messages, side)
+            if server.uncompiled:
+                self.skip(f"{measure} trial {trial + 1}: {side}'s decode step could not be compiled (eager)")
             value["side"] = side
             self._record(measure, side, value)
 
     async def _measure_server(self, measure: str, base: str, nonce: str,
-                              prefix_messages: list[dict[str, str]] | None) -> dict[str, Any]:
+                              prefix_messages: list[dict[str, str]] | None, side: str) -> dict[str, Any]:
         from openai import AsyncOpenAI
 
         o = self.o
@@ -200,7 +209,10 @@ class Bench:
             if measure == "sampled":
                 return await server_sequential(client, model, 1, o.tokens, nonce, CHAT_SAMPLING)
             if measure == "spec":
-                return await server_spec(client, model, o.tokens, nonce)
+                value = await server_spec(client, model, o.tokens, nonce)
+                if side != "llama.cpp":  # many streams: where our speculation must step aside
+                    value["server16_tok_s"] = (await server_concurrent(client, model, 16, o.tokens, nonce))["tok_s"]
+                return value
             if measure in ("server8", "server16"):
                 return await server_concurrent(client, model, int(measure.removeprefix("server")), o.tokens, nonce)
             assert prefix_messages is not None
@@ -209,10 +221,9 @@ class Bench:
     def _record(self, measure: str, side: str, value: dict[str, Any]) -> None:
         o = self.o
         if measure == "spec":
-            rows = [(self.row("spec_code", f"server: 1 stream, n-gram speculation on, code copy, {o.tokens} tokens, "
-                                           "decode", "tok/s"), "code_tok_s"),
-                    (self.row("spec_prose", "  same, prose (a story), decode", "tok/s"), "prose_tok_s")]
-        elif measure == "prefix":
+            self._record_spec(side, value)
+            return
+        if measure == "prefix":
             rows = [(self.row("prefix_cold", f"{o.prefix_tokens:,}-token prompt, cold TTFT", "s"), "cold_ttft_s"),
                     (self.row("prefix_hit", "  same prompt again (prefix cache hit), TTFT", "s"), "hit_ttft_s")]
         else:
@@ -229,6 +240,31 @@ class Bench:
                 raise PeerError(f"{measure}: {side} streamed no content")
             (row.ours if side == "localllm" else row.theirs).append(value[key])
             row.details.append({k: v for k, v in value.items() if k != "tok_s"})
+
+    def _record_spec(self, side: str, value: dict[str, Any]) -> None:
+        """Each side's figures go to two kinds of rows: ours with speculation against
+        llama.cpp with its own (``spec_code``, ``spec_prose``), and ours with it against ours
+        without it (``spec_*_self``, peer ``SPEC_OFF_SIDE``), so both ratios of the issue come
+        from the same trials."""
+        o = self.o
+        off = "localllm, no speculation"
+        rows = {  # key: (label, value key, peer, which side is "ours", which the peer)
+            "spec_code": (f"server: 1 stream, code copy, {o.tokens} tokens, decode (both n-gram)",
+                          "code_tok_s", "llama.cpp", "localllm", "llama.cpp"),
+            "spec_prose": ("  same, prose (a story), decode", "prose_tok_s", "llama.cpp", "localllm", "llama.cpp"),
+            "spec_code_self": ("  code copy: speculation on over off (ours)", "code_tok_s", off, "localllm", SPEC_OFF_SIDE),
+            "spec_prose_self": ("  prose: speculation on over off (ours)", "prose_tok_s", off, "localllm", SPEC_OFF_SIDE),
+            "spec_server16_self": (f"  16 concurrent streams x {o.tokens}: on over off (ours)", "server16_tok_s", off,
+                                   "localllm", SPEC_OFF_SIDE),
+        }
+        for key, (label, vkey, peer, ours, theirs) in rows.items():
+            if side not in (ours, theirs):
+                continue
+            if value.get(vkey) is None:
+                raise PeerError(f"spec: {side} streamed no content ({vkey})")
+            row = self.row(key, label, "tok/s", peer)
+            (row.ours if side == ours else row.theirs).append(value[vkey])
+            row.details.append(value)
 
     async def run(self) -> None:
         o = self.o
@@ -260,7 +296,7 @@ class Bench:
                 lengths = d.get("prompt_tokens")
                 lengths = lengths if isinstance(lengths, list) else [lengths] if lengths is not None else []
                 seen.setdefault(d["side"], set()).update(lengths)
-            if len(seen) == 2 and seen["localllm"] != seen["llama.cpp"]:
+            if {"localllm", "llama.cpp"} <= set(seen) and seen["localllm"] != seen["llama.cpp"]:
                 self.notes.append(f"{row.key}: prompt lengths differ: localllm {sorted(seen['localllm'])}, "
                                   f"llama.cpp {sorted(seen['llama.cpp'])} tokens")
 

@@ -9,7 +9,8 @@
 #include <vector>
 
 #include "attention.h"
-#include "gguf/experts.h"
+#include "dense/linear.h"
+#include "gguf/dispatch.h"
 #include "gguf/gguf.h"
 #include "sampling.h"
 #include "threads.h"
@@ -114,9 +115,36 @@ std::vector<int64_t> bind_threads_op(at::IntArrayRef cpus) {
   return bind_threads(cpus.data(), static_cast<int64_t>(cpus.size()));
 }
 
-// ---- GGUF block linear ----
+// ---- batch-invariant float linear ----
 
-#ifdef LOCALLLM_GGUF_KERNELS
+// y = x w^T (+ bias) in fp32, each row's numbers independent of the batch (dense/linear.h);
+// bf16 weights take x rounded to bf16, as F.linear in that dtype would.
+at::Tensor dense_linear_op(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.device().is_cpu() &&
+                  (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16),
+              "weight must be a contiguous fp32 or bf16 [N, K] CPU tensor");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == weight.size(1), "x must be [M, K] with K = weight.size(1)");
+  const int64_t M = x.size(0), K = weight.size(1), N = weight.size(0);
+  at::Tensor b;
+  if (bias.has_value()) {
+    b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(b.dim() == 1 && b.size(0) == N, "bias must be [N]");
+  }
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  auto y = empty({M, N}, at::kFloat);
+  if (weight.scalar_type() == at::kFloat) {
+    const auto xc = x.to(at::kFloat).contiguous();
+    dense::linear_f32(xc.data_ptr<float>(), K, M, K, weight.data_ptr<float>(), N, bp, y.data_ptr<float>());
+  } else {
+    const auto xc = x.to(at::kBFloat16).contiguous();
+    dense::linear_bf16(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), K, M, K,
+                       reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>()), N, bp, y.data_ptr<float>());
+  }
+  return y;
+}
+
+// ---- GGUF block linear (on every CPU: gguf/dispatch.h picks the x86 or the generic kernels) ----
+
 gguf::Layout checked_layout(int64_t type) {
   const gguf::Layout l = gguf::layout(type);
   TORCH_CHECK(l.block_weights > 0, "GGUF block type ", type, " has no CPU kernel");
@@ -171,7 +199,7 @@ at::Tensor gguf_linear_op(const at::Tensor& x, const at::TensorList packed, int6
   TORCH_CHECK(x.size(1) == K, "x does not match the packed weight");
   const auto xc = x.contiguous();
   auto y = empty({x.size(0), N}, at::kFloat);
-  gguf::linear(xc.data_ptr<float>(), x.size(0), K, w, N, type, levels, y.data_ptr<float>());
+  gguf::run_linear(xc.data_ptr<float>(), x.size(0), K, w, N, type, levels, y.data_ptr<float>());
   return y;
 }
 
@@ -194,7 +222,7 @@ at::Tensor gguf_linear_grouped_op(const at::Tensor& x, const at::TensorList pack
   for (int64_t e = 0; e < E; ++e) TORCH_CHECK(o[e] <= o[e + 1], "offsets must not decrease");
   const auto xc = x.contiguous();
   auto y = empty({x.size(0), N / E}, at::kFloat);
-  gguf::linear_grouped(xc.data_ptr<float>(), x.size(0), K, w, E, N / E, o, type, levels, y.data_ptr<float>());
+  gguf::run_linear_grouped(xc.data_ptr<float>(), x.size(0), K, w, E, N / E, o, type, levels, y.data_ptr<float>());
   return y;
 }
 
@@ -203,10 +231,11 @@ at::Tensor gguf_dequantize_op(const at::TensorList packed, int64_t type, at::Sca
   int64_t N = 0, K = 0;
   const gguf::Packed w = packed_view(packed, type, N, K);
   auto out = empty({N, K}, dtype);
-  gguf::dequantize(w, N, K, type, dtype == at::kBFloat16, out.data_ptr());
+  gguf::run_dequantize(w, N, K, type, dtype == at::kBFloat16, out.data_ptr());
   return out;
 }
-#endif
+
+std::string gguf_kernels_op() { return gguf::kernels_name(); }
 
 }  // namespace
 }  // namespace localllm_cpu
@@ -218,14 +247,14 @@ TORCH_LIBRARY(localllm_cpu, m) {
   m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def("topk_indices(Tensor logits, int k) -> Tensor");
   m.def("sample_rows(Tensor logits, float[] temps, int[] top_ks, float[] top_ps, float[] min_ps, float[] u) -> Tensor");
+  m.def("dense_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   // no tensor to dispatch on: a catch-all kernel
   m.def("bind_threads(int[] cpus) -> int[]", &localllm_cpu::bind_threads_op);
-#ifdef LOCALLLM_GGUF_KERNELS
+  m.def("gguf_kernels() -> str", &localllm_cpu::gguf_kernels_op);  // which kernels a GGUF op called now runs
   m.def("gguf_repack(Tensor weight, int type, int in_features) -> Tensor[]");
   m.def("gguf_linear(Tensor x, Tensor[] packed, int type, int levels) -> Tensor");
   m.def("gguf_dequantize(Tensor[] packed, int type, ScalarType dtype) -> Tensor");
   m.def("gguf_linear_grouped(Tensor x, Tensor[] packed, int type, int levels, Tensor offsets) -> Tensor");
-#endif
 }
 
 TORCH_LIBRARY_IMPL(localllm_cpu, CPU, m) {
@@ -234,10 +263,9 @@ TORCH_LIBRARY_IMPL(localllm_cpu, CPU, m) {
   m.impl("argmax_rows", &localllm_cpu::argmax_rows_op);
   m.impl("topk_indices", &localllm_cpu::topk_indices_op);
   m.impl("sample_rows", &localllm_cpu::sample_rows_op);
-#ifdef LOCALLLM_GGUF_KERNELS
+  m.impl("dense_linear", &localllm_cpu::dense_linear_op);
   m.impl("gguf_repack", &localllm_cpu::gguf_repack_op);
   m.impl("gguf_linear", &localllm_cpu::gguf_linear_op);
   m.impl("gguf_dequantize", &localllm_cpu::gguf_dequantize_op);
   m.impl("gguf_linear_grouped", &localllm_cpu::gguf_linear_grouped_op);
-#endif
 }

@@ -49,6 +49,8 @@ struct SampleScratch {
   std::vector<double> chunk_sum;
   std::vector<float> chunk_max;
   std::vector<float> vals;       // candidate weights
+  std::vector<int32_t> idx;      // top-k first: the candidates' tokens, in vocabulary order
+  std::vector<float> maxima;     // scratch for nth_element
 };
 
 // The weights of w >= lo (and > 0) in the chunks whose largest weight reaches lo.
@@ -92,9 +94,52 @@ float kth_weight(SampleScratch& s, int64_t V, int64_t k) {
   return s.vals[k - 1];
 }
 
+// top-p's threshold by a radix select on the bits of the weights (positive floats order as
+// their bits): three levels of 2048, 1024 and 1024 buckets, each bucket's mass summed, the
+// race narrowed each time to the bucket where the mass from the top reaches `want`. Three
+// passes over the candidates where a bisection on the bits made ~30.
+struct RadixSelect {
+  static constexpr int kShift[3] = {20, 10, 0};
+  static constexpr int kBuckets[3] = {2048, 1024, 1024};
+  int32_t base = 0;  // every value still in the race has bits in [base, base + span(level))
+  double above = 0;  // the mass of the values above that range
+  double mass[2048];
+
+  static int64_t span(int level) { return int64_t{kBuckets[level]} << kShift[level]; }
+  void clear(int level) { std::fill(mass, mass + kBuckets[level], 0.0); }
+  void add(int level, const float* v, int64_t n) {
+    const int64_t sp = span(level);
+    const int shift = kShift[level];
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t off = int64_t{__builtin_bit_cast(int32_t, v[i])} - base;
+      if (off >= 0 && off < sp) mass[off >> shift] += v[i];
+    }
+  }
+  // narrows the race to the bucket where the mass from the top first reaches want
+  void pick(int level, double want) {
+    int b = kBuckets[level] - 1;
+    while (b > 0 && above + mass[b] < want) above += mass[b--];
+    base += b << kShift[level];
+  }
+  float value() const { return __builtin_bit_cast(float, base); }
+};
+
+// The largest of `vals` (positive weights, their sum at least `want`, but for rounding) whose
+// values at or above it hold at least `want`.
+float top_p_value(const std::vector<float>& vals, double want) {
+  RadixSelect r;
+  for (int level = 0; level < 3; ++level) {
+    r.clear(level);
+    r.add(level, vals.data(), static_cast<int64_t>(vals.size()));
+    r.pick(level, want);
+  }
+  return r.value();
+}
+
 // top-p over the tokens of weight >= lo: the largest weight v whose tokens of weight >= v
 // hold at least `want` (the weight of the first token, in likelihood order, whose running
-// mass reaches it), by bisection on the bits of v (positive floats order as their bits).
+// mass reaches it). The likeliest tokens are looked at first: in a peaked row the few of
+// weight >= 2^-8 hold the mass wanted, and only their chunks are read.
 float top_p_weight(SampleScratch& s, int64_t V, float lo, double want) {
   double mass = 0;
   for (float tau : {0x1p-8f, 0x1p-24f, 0.f}) {
@@ -103,22 +148,93 @@ float top_p_weight(SampleScratch& s, int64_t V, float lo, double want) {
     if (mass >= want) break;
   }
   if (s.vals.empty() || mass < want) return lo;  // rounding: everything is kept
-  const auto [mn, mx] = std::minmax_element(s.vals.begin(), s.vals.end());
-  int32_t a = __builtin_bit_cast(int32_t, *mn), b = __builtin_bit_cast(int32_t, *mx);
-  while (a < b) {  // invariant: mass_from(bits a) >= want
-    const int32_t mid = a + (b - a + 1) / 2;
-    if (mass_from(s.vals, __builtin_bit_cast(float, mid)) >= want) {
-      a = mid;
-    } else {
-      b = mid - 1;
+  return std::max(lo, top_p_value(s.vals, want));
+}
+
+// A row with a top-k cut (k < V), the same cuts and draw as sample_row's full pass but for
+// rounding, without a weight for every token: weights grow with logits, so the k likeliest
+// tokens lie in the k chunks of largest logit (at least k tokens reach the k-th largest chunk
+// maximum), and only the tokens there at or above that bound get a weight. Top-p, min-p and
+// the draw then work on the few tokens top-k keeps. On Gemma's 262k vocabulary that is one
+// read of the row instead of an exp, a write and several gathers over it (16 rows at top-k
+// 40: 0.96 ms of CPU instead of 2.97, docs/benchmarks.md).
+int64_t sample_row_top_k(const float* x, int64_t V, double temp, int64_t k, double p, double min_p, double u,
+                         SampleScratch& s) {
+  const int64_t nc = (V + kChunk - 1) / kChunk;
+  s.chunk_max.resize(nc);
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t c = 0; c < nc; ++c) {
+    const int64_t b = c * kChunk;
+    s.chunk_max[c] = row_max(x + b, std::min(V, b + kChunk) - b);
+    m = s.chunk_max[c] > m ? s.chunk_max[c] : m;
+  }
+  if (!(m > -std::numeric_limits<float>::infinity()) || std::isinf(m)) return argmax_row(x, V);
+  float lo = -std::numeric_limits<float>::infinity();
+  if (k <= nc) {
+    s.maxima.assign(s.chunk_max.begin(), s.chunk_max.end());
+    std::nth_element(s.maxima.begin(), s.maxima.begin() + (k - 1), s.maxima.end(), std::greater<float>());
+    lo = s.maxima[k - 1];
+  }
+  int64_t chunks = 0;
+  for (int64_t c = 0; c < nc; ++c) chunks += s.chunk_max[c] >= lo;
+  s.idx.resize(chunks * kChunk);
+  s.vals.resize(chunks * kChunk);
+  const float inv = static_cast<float>(1.0 / temp);
+  float wbuf[kChunk];
+  int64_t n = 0;
+  for (int64_t c = 0; c < nc; ++c) {
+    if (!(s.chunk_max[c] >= lo)) continue;
+    const int64_t b = c * kChunk, e = std::min(V, b + kChunk);
+#pragma omp simd
+    for (int64_t i = b; i < e; ++i) {
+      const float d = (x[i] - m) * inv;
+      wbuf[i - b] = d < -87.f ? 0.f : fast_exp(d);  // as sample_row weighs it
+    }
+    for (int64_t i = b; i < e; ++i) {  // branch-free: most fail
+      const float wi = wbuf[i - b];
+      s.idx[n] = static_cast<int32_t>(i);
+      s.vals[n] = wi;
+      n += (x[i] >= lo) & (wi > 0.f);
     }
   }
-  return __builtin_bit_cast(float, a);
+  // top-k: the k-th largest weight (0: fewer than k tokens have weight, and all are kept)
+  float thr = 0.f;
+  if (n >= k) {
+    s.maxima.assign(s.vals.begin(), s.vals.begin() + n);
+    std::nth_element(s.maxima.begin(), s.maxima.begin() + (k - 1), s.maxima.end(), std::greater<float>());
+    thr = s.maxima[k - 1];
+  }
+  int64_t kept = 0;  // compact to the tokens top-k keeps, still in vocabulary order
+  for (int64_t j = 0; j < n; ++j) {
+    s.idx[kept] = s.idx[j];
+    s.vals[kept] = s.vals[j];
+    kept += s.vals[j] >= thr;
+  }
+  s.vals.resize(kept);
+  if (p < 1.0 && kept > 0) {
+    // top-p of what top-k keeps: the largest weight v whose tokens of weight >= v hold p of it
+    const double mass = mass_from(s.vals, 0.f);
+    thr = std::max(thr, top_p_value(s.vals, p * mass));
+  }
+  thr = std::max(thr, static_cast<float>(min_p));
+  double total = 0;
+  for (int64_t j = 0; j < kept; ++j) total += s.vals[j] >= thr ? s.vals[j] : 0.f;
+  const double target = u * total;
+  double acc = 0;
+  int64_t pos = -1;
+  for (int64_t j = 0; j < kept; ++j) {
+    if (!(s.vals[j] >= thr)) continue;
+    acc += s.vals[j];
+    pos = s.idx[j];
+    if (acc >= target) return pos;
+  }
+  return pos >= 0 ? pos : argmax_row(x, V);  // rounding: the last kept token
 }
 
 int64_t sample_row(const float* x, int64_t V, double temp, int64_t k, double p, double min_p, double u,
                    SampleScratch& s) {
   if (temp <= 0) return argmax_row(x, V);
+  if (k < V) return sample_row_top_k(x, V, temp, k, p, min_p, u, s);
   const float m = row_max(x, V);
   if (!(m > -std::numeric_limits<float>::infinity()) || std::isinf(m)) return argmax_row(x, V);
   const int64_t nc = (V + kChunk - 1) / kChunk;
@@ -222,44 +338,74 @@ void argmax_rows(const float* xp, int64_t R, int64_t V, int64_t* op) {
 // The indices of each row's k largest values, largest first (ties: the lower index first;
 // NaN counts as the smallest). torch.topk takes ~300 us for k = 8 of a 49k row on a 2-core
 // CPU; here the k-th largest chunk maximum bounds the k-th value from below, so only the
-// tokens above it are sorted.
+// tokens above it are sorted. As in argmax_rows, each row is split into one part per thread,
+// in the order the head's gguf_linear wrote its columns, so each thread reads what it wrote
+// (a row per thread read half of each 262k row from the other core: ~3x argmax's time); each
+// part's k best then merge.
 void topk_indices(const float* xp, int64_t R, int64_t V, int64_t k, int64_t* op) {
-  const int64_t nc = (V + kChunk - 1) / kChunk;
-  parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
-    std::vector<float> maxima(nc);
-    std::vector<int32_t> cand(V);
-    for (int64_t r = r0; r < r1; ++r) {
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(num_threads(), V / 4096));
+  std::vector<int64_t> best(R * parts * k);  // per (part, row): its k best indices, best first
+  parallel_for(0, R * parts, 1, [&](int64_t u0, int64_t u1) {
+    std::vector<float> maxima, sorted;
+    std::vector<int32_t> cand;
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t part = u / R, r = u % R, b = part * V / parts, n_part = (part + 1) * V / parts - b;
       const float* row = xp + r * V;
-      const auto key = [row](int32_t i) {
+      const auto key = [row](int64_t i) {
         return std::isnan(row[i]) ? -std::numeric_limits<float>::infinity() : row[i];
       };
-      for (int64_t c = 0; c < nc; ++c) maxima[c] = row_max(row + c * kChunk, std::min(V, (c + 1) * kChunk) - c * kChunk);
+      const int64_t nc = (n_part + kChunk - 1) / kChunk;
+      maxima.resize(nc);
+      for (int64_t c = 0; c < nc; ++c)
+        maxima[c] = row_max(row + b + c * kChunk, std::min(n_part, (c + 1) * kChunk) - c * kChunk);
       float lo = -std::numeric_limits<float>::infinity();
       if (k <= nc) {
-        std::vector<float> sorted(maxima);
+        sorted.assign(maxima.begin(), maxima.end());
         std::nth_element(sorted.begin(), sorted.begin() + (k - 1), sorted.end(), std::greater<float>());
         lo = sorted[k - 1];
       }
+      int64_t chunks = 0;
+      for (int64_t c = 0; c < nc; ++c) chunks += maxima[c] >= lo;
+      cand.resize(std::max(chunks * kChunk, n_part >= k ? k : n_part));
       int64_t n = 0;
       for (int64_t c = 0; c < nc; ++c) {
         if (!(maxima[c] >= lo)) continue;  // no token of this chunk reaches the bound
-        const int64_t e = std::min(V, (c + 1) * kChunk);
-        for (int64_t i = c * kChunk; i < e; ++i) {  // branch-free: most fail
+        const int64_t e = b + std::min(n_part, (c + 1) * kChunk);
+        for (int64_t i = b + c * kChunk; i < e; ++i) {  // branch-free: most fail
           cand[n] = static_cast<int32_t>(i);
           n += row[i] >= lo;
         }
       }
-      if (n < k) {  // NaNs fooled the bound: take every index
-        for (int64_t i = 0; i < V; ++i) cand[i] = static_cast<int32_t>(i);
-        n = V;
+      if (n < std::min(k, n_part)) {  // NaNs fooled the bound: take every index of the part
+        cand.resize(n_part);
+        for (int64_t i = 0; i < n_part; ++i) cand[i] = static_cast<int32_t>(b + i);
+        n = n_part;
       }
-      std::partial_sort(cand.begin(), cand.begin() + k, cand.begin() + n, [&](int32_t a, int32_t b) {
-        const float ka = key(a), kb = key(b);
-        return ka > kb || (ka == kb && a < b);
+      const int64_t m = std::min(k, n);
+      std::partial_sort(cand.begin(), cand.begin() + m, cand.begin() + n, [&](int32_t a, int32_t c) {
+        const float ka = key(a), kc = key(c);
+        return ka > kc || (ka == kc && a < c);
       });
-      for (int64_t j = 0; j < k; ++j) op[r * k + j] = cand[j];
+      int64_t* out = best.data() + u * k;
+      for (int64_t j = 0; j < k; ++j) out[j] = j < m ? cand[j] : -1;  // -1: a part of fewer than k tokens
     }
   });
+  std::vector<int64_t> merged;
+  for (int64_t r = 0; r < R; ++r) {
+    const float* row = xp + r * V;
+    const auto key = [row](int64_t i) {
+      return std::isnan(row[i]) ? -std::numeric_limits<float>::infinity() : row[i];
+    };
+    merged.clear();
+    for (int64_t part = 0; part < parts; ++part)
+      for (int64_t j = 0; j < k; ++j)
+        if (best[(part * R + r) * k + j] >= 0) merged.push_back(best[(part * R + r) * k + j]);
+    std::partial_sort(merged.begin(), merged.begin() + k, merged.end(), [&](int64_t a, int64_t c) {
+      const float ka = key(a), kc = key(c);
+      return ka > kc || (ka == kc && a < c);
+    });
+    std::copy(merged.begin(), merged.begin() + k, op + r * k);
+  }
 }
 
 void sample_rows(const float* xp, int64_t R, int64_t V, const double* temps, const int64_t* top_ks,

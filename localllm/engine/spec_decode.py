@@ -59,7 +59,9 @@ class SpeculativeConfig:
     model: str | None = None  # the draft model (method "draft_model")
     num_speculative_tokens: int = 5
     prompt_lookup_max: int = 4
-    prompt_lookup_min: int = 2
+    # down to one token: a reply that copies finds its span from its last token alone (the
+    # longest match still wins), and the measured acceptance keeps a wrong guess cheap
+    prompt_lookup_min: int = 1
     disable_by_batch_size: int = 4
 
     def __post_init__(self) -> None:

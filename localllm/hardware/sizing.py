@@ -281,9 +281,9 @@ class GGUFWeights:
     types: tuple[tuple[str, int], ...]  # (ggml type name, stored bytes), most bytes first
     source: str  # what it was sized from, for the plan's reason: the file, the catalog or the dims
     embedding_type: str = "Q8_0"
-    # the stacked expert tensors (``*_exps``, by type: stored bytes): on the CPU's kernels held
-    # as stored (quant/gguf_experts.py; a type they lack at FALLBACK's size, as a linear), on
-    # others dequantized to the float dtype (models/moe.py's float experts)
+    # the stacked expert tensors (``*_exps``, by type: stored bytes): held as stored by the
+    # CPU's kernels (quant/gguf_experts.py) and the GPU's (quant/gguf_experts_cuda.py), a type
+    # they lack at FALLBACK's size, as a linear
     expert_types: tuple[tuple[str, int], ...] = ()
     # whose kernels hold the blocks (gguf_formats.KERNELS): "cpu", or "triton" on a GPU; a type
     # those kernels do not take is held at FALLBACK's size
@@ -295,8 +295,9 @@ class GGUFWeights:
 
     @property
     def experts_as_stored(self) -> bool:
-        """Whether the plan's kernels hold the experts' blocks (the CPU's: GGUFExperts)."""
-        return self.kernels == "cpu"
+        """Whether the plan's kernels hold the experts' blocks (the CPU's GGUFExperts, the
+        GPU's GGUFExpertsCUDA: both do)."""
+        return self.kernels in ("cpu", "triton")
 
     def expert_memory(self, float_bytes: int) -> int:
         if self.experts_as_stored:

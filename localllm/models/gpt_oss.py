@@ -9,7 +9,11 @@ The HF checkpoint stores each layer's experts as ``gate_up_proj`` [E, H, 2I] wit
 up interleaved column by column and ``down_proj`` [E, I, H] (input-major), the router as
 ``mlp.router``; llama.cpp's GGUF stacks them as the other MoE families do (``ffn_gate_exps``
 [E, I, H], ``ffn_gate_inp`` the router, ``attn_sinks``), with the experts in MXFP4: a GGUF
-plan on CPU keeps those blocks as stored (quant/gguf_experts.py), a float plan dequantizes them.
+plan keeps those blocks as stored, on the CPU (quant/gguf_experts.py) and on the GPU
+(quant/gguf_experts_cuda.py); a float plan dequantizes them.
+
+Chats are harmony messages (localllm/harmony.py renders them as openai-harmony does; replies
+split into reasoning and answer by localllm/reasoning.py's ``HarmonyParser``).
 """
 
 from __future__ import annotations

@@ -417,7 +417,7 @@ class CausalLM(nn.Module):
             exact = torch.einsum("td,tkd->tk", hidden.float(), rows)
             return logits.scatter_(1, top, exact)
         w = self.lm_head.weight
-        logits = torch.nn.functional.linear(hidden.to(w.dtype), w).float()
+        logits = self.lm_head(hidden.to(w.dtype)).float()  # its forward: --deterministic swaps it
         if w.dtype != torch.float32:
             # A 16-bit matmul rounds its output to 8 mantissa bits: 0.125 at a logit of 25.
             # That tied SmolLM2's top two answers to "What is the capital of France?" (margin

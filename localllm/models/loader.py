@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from localllm.errors import LocalLLMError
+from localllm.kernels import cpu_build
 from localllm.models.checkpoint import Checkpoint, WeightIter
 from localllm.models.formats import open_checkpoint
 from localllm.models import registry
@@ -192,13 +193,24 @@ def gguf_plan_inputs(
     if not gguf_modules.has_kept_linears(ckpt.block_types, tied, kernels):
         if asked:
             needs = ("Triton" if kernels.name == "triton"
-                     else "localllm's CPU kernels (an x86-64-v3 CPU and a C++ compiler)")
+                     else "localllm's CPU kernels (a C++ compiler)")
             raise LocalLLMError(f"--quant gguf needs {needs} and a file with linears in a type they take"
                                 " (see docs/quantization.md)")
         return None, None, None
-    line = gguf_modules.reason_line(ckpt.block_types, tied, kernels)
+    from localllm.kernels import cpu_ops
+
+    isa = cpu_ops.gguf_kernels() if kernels.name == "cpu" else None  # x86 or generic (kernels/cpu/gguf/dispatch.h)
+    line = gguf_modules.reason_line(ckpt.block_types, tied, kernels, isa)
     weights = replace(gguf_weights_from_file(ckpt.path), kernels=kernels.name)
     return (None, line, weights) if on_gpu else (line, None, weights)
+
+
+def kernel_needs(ckpt: Checkpoint) -> cpu_build.Needs:
+    """What this checkpoint runs on the CPU kernels: its attention head dims, its GGUF block
+    types and whether those include experts (what a first kernel build compiles first)."""
+    gguf_types = frozenset(ckpt.block_types.values()) if ckpt.format == "gguf" else frozenset()
+    return cpu_build.Needs(frozenset(s.head_dim for s in ckpt.config.kv_spec()), gguf_types,
+                           bool(gguf_types) and ckpt.config.num_experts > 0)
 
 
 def load_model(
@@ -231,6 +243,7 @@ def load_model(
     path = store.resolve(name)
     ckpt = open_checkpoint(path)
     cfg = ckpt.config
+    cpu_build.expect(kernel_needs(ckpt), progress)  # before any kernel call: a first build stages for it
     hw = probe_hardware()
     if device is not None and device not in ("cpu", "cuda"):
         raise LocalLLMError(f"--device {device!r}: use cpu or cuda")

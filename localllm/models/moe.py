@@ -11,9 +11,10 @@ body could not be traced; as a custom op with a fake (shape-only) form, the comp
 decode step keeps one graph with the op in it, and the routing around it (router matmul,
 top-k, softmax) compiles as usual. There is no branch on the batch's routing outside it.
 
-A GGUF plan on CPU keeps the file's expert blocks instead (``MoE.experts``, a
-``localllm.quant.gguf_experts.GGUFExperts`` the loader's quant decision attaches, with no
-``w13``/``w2`` left): the same routing, biases and activation, its own op for the matmuls.
+A GGUF plan keeps the file's expert blocks instead (``MoE.experts``: on CPU a
+``localllm.quant.gguf_experts.GGUFExperts``, on the GPU a ``gguf_experts_cuda.GGUFExpertsCUDA``,
+which the loader's quant decision attaches, with no ``w13``/``w2`` left): the same routing,
+biases and activation, their own kernels for the matmuls.
 """
 
 from __future__ import annotations

@@ -82,6 +82,14 @@ def packed_layout(type_: int) -> PackedLayout:
 # greedy tokens follow fp32 activations (max logit error 0.007 on the default model, against
 # 2.2 with llama.cpp's single int8 level). LOCALLLM_GGUF_ACT_LEVELS=1 trades that for speed.
 ACT_LEVELS = int(os.environ.get("LOCALLLM_GGUF_ACT_LEVELS", "2"))
+# The head's activations in one level, as llama.cpp quantizes them: at 16 decode rows the
+# second level doubles the tile multiplies and the per-block float work, and a 262k x 640
+# Q8_0 head (Gemma 3) is ~60% of such a step's linear time (one level: 1.3x faster there,
+# 1-thread Xeon with AMX, docs/benchmarks.md 2026-12-04). Its error reaches the logits only
+# (no later layer compounds it): greedy tokens were identical to two levels on 6 prompts x 96
+# tokens each on SmolLM2 Q4_K_M, Q8_0 and Gemma 3 270M Q4_K_M, while one level everywhere
+# changed 3 of 4 replies. LOCALLLM_GGUF_HEAD_LEVELS=2 restores the two-level head.
+HEAD_ACT_LEVELS = min(ACT_LEVELS, int(os.environ.get("LOCALLLM_GGUF_HEAD_LEVELS", "1")))
 # From this many rows (prefill chunks) the weight is expanded to a dense matrix for a blocked
 # GEMM (oneDNN; AMX on CPUs that have it): at 512 rows 6 ms against 61 ms for the integer
 # kernel on one 576x3072 linear (Xeon with AMX, measured). Below it (decode batches, short
@@ -166,6 +174,9 @@ class GGUFLinear(QuantLinear):
         # rows of one prompt chunk from which the weight is expanded for a dense GEMM; the
         # deterministic mode raises it past any chunk, so every row takes the integer kernel
         self.dense_rows = DENSE_ROWS
+        # int8 levels of this linear's activations: ACT_LEVELS, HEAD_ACT_LEVELS for the head
+        # (set by the planner); per row either way, so the batch does not change a row
+        self.act_levels = ACT_LEVELS
         self._raw: torch.Tensor | None = None  # the file's blocks while shards arrive (CPU)
         shapes = layout.shapes(out_features, in_features)
         for name, shape in zip(("codes", "hi", "scales"), shapes):
@@ -245,7 +256,7 @@ class GGUFLinear(QuantLinear):
         return torch.nn.functional.linear(x.to(w.dtype), w)
 
     def _integer(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.localllm_cpu.gguf_linear(x.float(), self.packed, self.block_type, ACT_LEVELS)
+        return torch.ops.localllm_cpu.gguf_linear(x.float(), self.packed, self.block_type, self.act_levels)
 
     def shard_state(self, rows: slice) -> dict[str, torch.Tensor]:
         return {"weight": self.dequantize()[rows].contiguous()}

@@ -41,6 +41,7 @@ from localllm.kernels.gguf_linear import (
 )
 from localllm.quant import gguf_formats as gf
 from localllm.quant.gguf import GGUFBlocks, quantize_blocks, shard_blocks
+from localllm.quant.gguf_experts_cuda import GGUFExpertsCUDA
 from localllm.quant.gguf_modules import BlockKernels
 from localllm.quant.linear import QuantLinear
 
@@ -138,4 +139,4 @@ class GGUFLinearCUDA(QuantLinear):
 
 assert gf.fmt(gf.FALLBACK).gpu, "a type without a GPU kernel is rounded again to FALLBACK, which must have one"
 TRITON = BlockKernels("triton", "Triton", "Triton kernels on the GPU, dequantized in registers", GGUFLinearCUDA,
-                      lambda: HAS_TRITON, 1)
+                      lambda: HAS_TRITON, 1, GGUFExpertsCUDA)

@@ -31,7 +31,7 @@ from localllm.errors import LocalLLMError
 from localllm.kernels import cpu_ops
 from localllm.quant import gguf_formats as gf
 from localllm.models.moe import MoE
-from localllm.quant.gguf import TILE, GGUFBlocks, GGUFLinear
+from localllm.quant.gguf import HEAD_ACT_LEVELS, TILE, GGUFBlocks, GGUFLinear
 from localllm.quant.gguf_experts import GGUFExperts
 from localllm.quant.linear import QuantLinear, fused_sizes, iter_linears, replace_module
 
@@ -61,9 +61,11 @@ class BlockKernels:
     linear: Callable[..., QuantLinear]
     available: Callable[[], bool]
     row_multiple: int  # a block linear's out_features is a multiple of this (the CPU's row tiles)
+    # a MoE layer's stacked experts in blocks: (experts, hidden, intermediate, gate, up, down types)
+    experts: Callable[..., nn.Module]
 
 
-CPU = BlockKernels("cpu", "CPU", "int8-dot CPU kernels", GGUFLinear, cpu_ops.has_gguf_kernels, TILE)
+CPU = BlockKernels("cpu", "CPU", "int8-dot CPU kernels", GGUFLinear, cpu_ops.has_gguf_kernels, TILE, GGUFExperts)
 
 
 def kept(type_id: int | None, kernels: BlockKernels = CPU) -> bool:
@@ -88,10 +90,8 @@ def linear_tensor_types(block_types: Mapping[str, int], tied: bool) -> dict[str,
 
 def expert_tensor_types(block_types: Mapping[str, int], kernels: BlockKernels = CPU) -> dict[str, int]:
     """A mixture of experts' stacked expert matrices (``*_exps.weight``, HF name -> stored
-    type) that ``kernels`` hold as blocks: the CPU's (``GGUFExperts``); on others the experts
-    stay models/moe.py's float ones and this is empty."""
-    if kernels.name != "cpu":
-        return {}
+    type), which ``kernels`` hold as blocks (the CPU's ``GGUFExperts``, the GPU's
+    ``GGUFExpertsCUDA``)."""
     return {n: t for n, t in block_types.items() if n.endswith("_exps.weight")}
 
 
@@ -102,9 +102,10 @@ def has_kept_linears(block_types: Mapping[str, int], tied: bool, kernels: BlockK
     return kernels.available() and any(kept(t, kernels) for t in types)
 
 
-def reason_line(block_types: Mapping[str, int], tied: bool, kernels: BlockKernels = CPU) -> str:
+def reason_line(block_types: Mapping[str, int], tied: bool, kernels: BlockKernels = CPU, isa: str | None = None) -> str:
     """The plan's one line for a GGUF file run by ``kernels``: each stored type with its tensor
-    count and what runs it, a type without a kernel named with what happens to it."""
+    count and what runs it, a type without a kernel named with what happens to it. ``isa``:
+    which of the CPU's kernels run (cpu_ops.gguf_kernels: "x86 AVX2", "generic", ...), where known."""
     counts = Counter(linear_tensor_types(block_types, tied).values())
     order = sorted(counts, key=lambda t: (-counts[t], t))
     on_kernel = [f"{gf.type_name(t)} x{counts[t]}" for t in order if kept(t, kernels)]
@@ -112,7 +113,8 @@ def reason_line(block_types: Mapping[str, int], tied: bool, kernels: BlockKernel
     head = gf.type_name(block_types.get(EMBEDDING if tied else HEAD, -1))
     parts = []
     if on_kernel:
-        parts.append(f"gguf blocks as stored ({kernels.what}, no second rounding): {', '.join(on_kernel)}")
+        what = f"{kernels.what}: {isa}" if isa else kernels.what
+        parts.append(f"gguf blocks as stored ({what}, no second rounding): {', '.join(on_kernel)}")
     if others:
         parts.append(f"no {kernels.short} kernel, rounded again to {gf.FALLBACK}: {', '.join(others)}")
     experts = Counter(expert_tensor_types(block_types, kernels).values())
@@ -240,8 +242,9 @@ def plan_gguf_modules(model: nn.Module, block_types: Mapping[str, int], tied: bo
         if name == "lm_head":
             assert isinstance(new, QuantLinear)
             head = new
-    if kernels.name == "cpu":  # the experts' blocks for the CPU kernels; elsewhere they stay float
-        raw.update(plan_gguf_experts(model, block_types))
+            if isinstance(new, GGUFLinear):
+                new.act_levels = HEAD_ACT_LEVELS
+    raw.update(plan_gguf_experts(model, block_types, kernels))
     embed = model.get_submodule("model.embed_tokens")
     stored_embed = block_types.get(EMBEDDING)
     if not tied and embed.num_embeddings % kernels.row_multiple:
@@ -255,8 +258,8 @@ def plan_gguf_modules(model: nn.Module, block_types: Mapping[str, int], tied: bo
     return raw
 
 
-def plan_gguf_experts(model: nn.Module, block_types: Mapping[str, int]) -> set[str]:
-    """Gives every ``MoE`` of a meta-device model a ``GGUFExperts`` (CPU kernels) in the types
+def plan_gguf_experts(model: nn.Module, block_types: Mapping[str, int], kernels: BlockKernels = CPU) -> set[str]:
+    """Gives every ``MoE`` of a meta-device model ``kernels``' experts module in the types
     ``decide`` gives its stacked tensors and drops its float ``w13``/``w2``. Returns the HF
     tensor names to load as raw blocks (those of a kernel type; the rest arrive dequantized and
     are rounded to ``FALLBACK``)."""
@@ -268,8 +271,8 @@ def plan_gguf_experts(model: nn.Module, block_types: Mapping[str, int]) -> set[s
         stored = [block_types.get(t) for t in tensors]
         E, I2, H = moe.w13.shape
         with torch.device("meta"):
-            moe.experts = GGUFExperts(E, H, I2 // 2, *(decide(t) for t in stored))
+            moe.experts = kernels.experts(E, H, I2 // 2, *(decide(t, kernels) for t in stored))
         moe.w13 = None
         moe.w2 = None
-        raw.update(t for t, s in zip(tensors, stored) if kept(s))
+        raw.update(t for t, s in zip(tensors, stored) if kept(s, kernels))
     return raw

@@ -305,3 +305,15 @@ def test_spec_is_named_to_run_and_turns_each_sides_ngram_speculation_on(tmp_path
     r = peer_client.StreamResult(ttft_s=0.5, first_chunk_s=0.4, end_s=2.5, output_tokens=41, prompt_tokens=9,
                                  content_chunks=41, text="")
     assert peer_client.decode_rate(r) == pytest.approx(20.0)
+    # three sides a trial: ours on against llama.cpp's, and ours on against ours off
+    bench = peer_run.Bench(o)
+    figures = {"localllm": (30.0, 12.0, 40.0), peer_run.SPEC_OFF_SIDE: (15.0, 12.5, 41.0), "llama.cpp": (20.0, 24.0, None)}
+    for side, (code, prose, many) in figures.items():
+        value = {"side": side, "code_tok_s": code, "prose_tok_s": prose, "prompt_tokens": [9]}
+        bench._record("spec", side, value if many is None else {**value, "server16_tok_s": many})
+    rows = {row.key: row.summary() for row in bench.rows.values()}
+    assert (rows["spec_code"]["speed_ratio"], rows["spec_code"]["met"]) == (1.5, True)
+    assert (rows["spec_code_self"]["speed_ratio"], rows["spec_code_self"]["met"]) == (2.0, True)
+    assert (rows["spec_prose_self"]["speed_ratio"], rows["spec_prose_self"]["met"]) == (0.96, False)
+    assert rows["spec_server16_self"]["ours_trials"] == [40.0] and rows["spec_server16_self"]["theirs_trials"] == [41.0]
+    assert rows["spec_prose"]["peer"] == "llama.cpp" and rows["spec_prose_self"]["peer"] == "localllm, no speculation"

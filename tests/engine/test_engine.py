@@ -106,7 +106,7 @@ def test_straggler_does_not_hold_back_short_requests(default_model_path) -> None
     engine.add_request(tok.encode("Write a very long essay."), SamplingParams(temperature=0, max_tokens=2000,
                                                                              ignore_eos=True), "long")
     for i in range(15):
-        engine.add_request(tok.encode(f"Q{i}:"), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), f"s{i}")
+        engine.add_request(tok.encode(f"Q{i}:"), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), f"s{i}")
     finished: set[str] = set()
     max_batch = 0
     while len(finished) < 15:
@@ -121,17 +121,20 @@ def test_straggler_does_not_hold_back_short_requests(default_model_path) -> None
 
 
 def test_shared_prefix_is_reused_and_output_unchanged(default_model_path) -> None:
-    engine = _engine(default_model_path)
+    # 128-token steps: the prompts below are prefilled in chunks, as a long prompt is; a pool of
+    # 96 blocks holds every prompt's blocks below at once (none is evicted before it is reused)
+    engine = _engine(default_model_path, max_num_batched_tokens=128, num_kv_blocks=96)
     tok = engine.tokenizer
-    prefix = tok.encode(" ".join(f"Fact {i}: the number {i} is {'even' if i % 2 == 0 else 'odd'}." for i in range(200)))
-    prefix = prefix[:1000]
-    assert len(prefix) == 1000
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    # 20 full blocks and half of one: the shared part ends inside a block
+    prefix = tok.encode(" ".join(f"Fact {i}: the number {i} is {'even' if i % 2 == 0 else 'odd'}." for i in range(60)))
+    prefix = prefix[:328]
+    assert len(prefix) == 328
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     first = engine.generate([prefix + tok.encode(" Question one: is 7 odd?")], params)[0]
     second = engine.generate([prefix + tok.encode(" Question two: is 12 even?")], params)[0]
     assert first.num_cached_tokens == 0
-    assert second.num_cached_tokens >= 992
-    cold = _engine(default_model_path, enable_prefix_caching=False)
+    assert second.num_cached_tokens >= 320
+    cold = _engine(default_model_path, enable_prefix_caching=False, max_num_batched_tokens=128, num_kv_blocks=96)
     reference = cold.generate([prefix + tok.encode(" Question two: is 12 even?")], params)[0]
     assert reference.num_cached_tokens == 0
     assert second.outputs[0].token_ids == reference.outputs[0].token_ids

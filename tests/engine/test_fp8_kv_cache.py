@@ -3,8 +3,6 @@ pool, the same answer, scales that really reach the cache, and clear errors."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,9 +11,9 @@ import torch
 from localllm import LLM, SamplingParams
 from localllm.errors import LocalLLMError
 from localllm.quant.kv_cache import FP8_MAX, HEADROOM, calibration_prompt
+from tests.test_cli import cli_here
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _llm(path: Path, **kw: object) -> LLM:
@@ -56,6 +54,5 @@ def test_calibrated_scales_reach_the_cache(default_model_path: Path) -> None:
 def test_an_unknown_kv_cache_dtype_is_refused(default_model_path: Path) -> None:
     with pytest.raises(LocalLLMError, match="unknown KV cache dtype 'int4'; use one of auto, fp8, fp8_e4m3"):
         _llm(default_model_path, kv_cache_dtype="int4")
-    result = subprocess.run([sys.executable, "-m", "localllm.cli", "run", "--kv-cache-dtype", "fp4", "hi"],
-                            capture_output=True, text=True, cwd=REPO, timeout=60)
+    result = cli_here("run", "--kv-cache-dtype", "fp4", "hi")  # argparse refuses it: no process needed
     assert result.returncode == 2 and "invalid choice: 'fp4'" in result.stderr

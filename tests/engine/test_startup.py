@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from localllm.kernels import cpu_ops
+from localllm.kernels import cpu_build, cpu_ops
 
 # a child whose SIGINT is Python's (a background job of a non-interactive shell starts with it
 # ignored, and Python then keeps it ignored: ctrl+c would not reach the process at all)
@@ -82,7 +82,9 @@ def test_ctrl_c_while_run_finishes_the_optimization_ends_it_at_once(default_mode
     terminal sends it) ends it within seconds, exit 0 (the answer was given), with nothing
     left of its group and no abort."""
     cache = tmp_path / "cache"
-    lib = cpu_ops._library_path()  # built by has_gguf_kernels(): copied, no kernel build here
+    if cpu_build.background_build is not None:  # a staged first build: the whole library follows
+        cpu_build.background_build.join()
+    lib = cpu_build._library_path()  # the whole library, copied: no kernel build here
     (cache / lib.relative_to(cpu_ops.compiled_cache_dir())).parent.mkdir(parents=True)
     shutil.copy2(lib, cache / lib.relative_to(cpu_ops.compiled_cache_dir()))
     env = {k: v for k, v in os.environ.items() if k != "LOCALLLM_NO_COMPILE"}

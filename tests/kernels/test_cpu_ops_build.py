@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from localllm.kernels import cpu_ops
+from localllm.kernels import cpu_build, cpu_ops
 
 pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason="CPU kernels could not be built here")
 
@@ -44,8 +44,8 @@ def compilers(tmp_path: Path) -> dict[str, Path]:
     runs = tmp_path / "runs"
     return {
         "slow": _script(tmp_path / "slow-cxx", f"{marker} 600 &\nwait\n"),
-        "copy": _script(tmp_path / "copy-cxx", f'echo run >> "{runs}"\nsleep 2\nfor a; do out=$a; done\n'
-                        f'cp "{cpu_ops._library_path()}" "$out"\n'),
+        "copy": _script(tmp_path / "copy-cxx", f'echo run >> "{runs}"\nsleep 0.5\nfor a; do out=$a; done\n'
+                        f'cp "{cpu_build._library_path()}" "$out"\n'),
         "marker": marker,
         "runs": runs,
     }
@@ -67,7 +67,7 @@ def _wait_for(cond, what: str, limit: float = 120) -> None:  # type: ignore[no-u
 
 
 def _build_dirs(cache: Path) -> list[Path]:
-    return list(cache.glob(f"cpu_ops/*/{cpu_ops.BUILD_PREFIX}*"))
+    return list(cache.glob(f"cpu_ops/*/{cpu_build.BUILD_PREFIX}*"))
 
 
 def _pids_with(text: str) -> list[int]:
@@ -99,21 +99,21 @@ def test_a_real_build_killed_midway_leaves_no_compiler_and_the_next_start_takes_
     tmp_path: Path, compilers: dict[str, Path]
 ) -> None:
     cache = tmp_path / "cache"
-    first = _start(cache, cpu_ops.compiler() or "g++")  # the real compiler
+    first = _start(cache, cpu_build.compiler() or "g++")  # the real compiler
     _wait_for(lambda: _build_dirs(cache), "the first start's build")
     build_dir = _build_dirs(cache)[0]
     _wait_for(lambda: _pids_with(str(build_dir)), "g++ to start")
     groups = {os.getpgid(p) for p in _pids_with(str(build_dir))}  # g++'s group: cc1plus, as, ld
     second = _start(cache, compilers["copy"])
     assert second.stderr is not None
-    assert second.stderr.readline().strip() == cpu_ops.WAITING  # the lock is held: it waits, and says so
+    assert second.stderr.readline().strip() == cpu_build.WAITING  # the lock is held: it waits, and says so
     first.send_signal(signal.SIGKILL)
     first.wait()
     out, err = second.communicate(timeout=300)
     assert "loaded True" in out, err
     assert "building CPU kernels" in err  # took the dead process's lock over
     runs = compilers["runs"].read_text().count("run")
-    assert 1 <= runs <= len(cpu_ops.translation_units()) + 1  # what the killed start had not finished, one link
+    assert 1 <= runs <= len(cpu_build.translation_units()) + 1  # what the killed start had not finished, one link
     _wait_for(lambda: not any(_group_alive(g) for g in groups), "the killed build's compiler to go")
     assert _build_dirs(cache) == []  # the killed build's temp folder is gone
     assert (cache / "cpu_ops" / build_dir.parent.name / "localllm_cpu_ops.so").is_file()
@@ -144,10 +144,10 @@ def test_two_starts_on_an_empty_cache_both_load_and_one_builds(tmp_path: Path, c
     starts = [_start(cache, compilers["copy"]) for _ in range(2)]
     results = [p.communicate(timeout=300) for p in starts]
     assert all("loaded True" in out for out, _ in results), results
-    assert compilers["runs"].read_text().count("run") == len(cpu_ops.translation_units()) + 1  # one build
+    assert compilers["runs"].read_text().count("run") == len(cpu_build.translation_units()) + 1  # one build
     errs = [err for _, err in results]
     assert sum("building CPU kernels" in e for e in errs) == 1
-    assert sum(cpu_ops.WAITING in e for e in errs) == 1
+    assert sum(cpu_build.WAITING in e for e in errs) == 1
 
 
 def test_a_cached_library_cleans_what_a_killed_build_left(tmp_path: Path) -> None:
@@ -156,12 +156,12 @@ def test_a_cached_library_cleans_what_a_killed_build_left(tmp_path: Path) -> Non
     env = os.environ.get("LOCALLLM_CACHE_DIR")
     os.environ["LOCALLLM_CACHE_DIR"] = str(cache)
     try:
-        lib = cpu_ops._library_path()
+        lib = cpu_build._library_path()
     finally:
         os.environ.pop("LOCALLLM_CACHE_DIR") if env is None else os.environ.__setitem__("LOCALLLM_CACHE_DIR", env)
     lib.parent.mkdir(parents=True)
-    lib.write_bytes(cpu_ops._library_path().read_bytes())
-    left = lib.parent / f"{cpu_ops.BUILD_PREFIX}killed"
+    lib.write_bytes(cpu_build._library_path().read_bytes())
+    left = lib.parent / f"{cpu_build.BUILD_PREFIX}killed"
     left.mkdir()
     (left / "localllm_cpu_ops.so").write_bytes(b"half")
     out, err = _start(cache, "/nonexistent").communicate(timeout=120)
@@ -172,11 +172,11 @@ def test_a_cached_library_cleans_what_a_killed_build_left(tmp_path: Path) -> Non
 
 def test_the_library_key_holds_no_install_path_or_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every install of one version (venv, pipx, editable) and any compiler share one build."""
-    key = cpu_ops._library_path()
+    key = cpu_build._library_path()
     monkeypatch.setenv("CXX", "/some/other/g++")
     monkeypatch.setattr(sys, "prefix", "/elsewhere/venv")
-    assert cpu_ops._library_path() == key
-    assert "-rpath" not in " ".join(cpu_ops._compile_command("g++") + cpu_ops._link_command("g++", []))
+    assert cpu_build._library_path() == key
+    assert "-rpath" not in " ".join(cpu_build._compile_command("g++") + cpu_build._link_command("g++", []))
 
 
 def test_a_change_to_one_file_recompiles_that_file_alone(
@@ -186,26 +186,26 @@ def test_a_change_to_one_file_recompiles_that_file_alone(
     they are, one of them edited), the build compiles the edited file and links."""
     cache = tmp_path / "cache"
     sources = tmp_path / "cpu"
-    shutil.copytree(cpu_ops.SOURCE_DIR, sources)
-    monkeypatch.setattr(cpu_ops, "SOURCE_DIR", sources)
+    shutil.copytree(cpu_build.SOURCE_DIR, sources)
+    monkeypatch.setattr(cpu_build, "SOURCE_DIR", sources)
     monkeypatch.setenv("LOCALLLM_CACHE_DIR", str(cache))
-    objects = cpu_ops._object_dir()
+    objects = cpu_build._object_dir()
     objects.mkdir(parents=True)
-    for _, key in cpu_ops._object_keys():  # a previous build's objects (their content is not read here)
+    for _, key in cpu_build._object_keys():  # a previous build's objects (their content is not read here)
         (objects / f"{key}.o").write_bytes(b"cached")
     edited = sources / "sampling.cpp"
     edited.write_text(edited.read_text() + "\n// edited\n")
     (tmp_path / "runs").write_text("")
     calls: list[list[str]] = []
-    real = cpu_ops._start_compiler
+    real = cpu_build._start_compiler
 
-    def start(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
+    def start(cmd: list[str], log: Path, background: bool = False) -> subprocess.Popen[bytes]:
         calls.append(cmd)
-        return real([str(compilers["copy"]), *cmd[1:]], log)
+        return real([str(compilers["copy"]), *cmd[1:]], log, background)
 
-    monkeypatch.setattr(cpu_ops, "_start_compiler", start)
-    lib = cpu_ops._library_path()
-    cpu_ops._build("g++", lib)
+    monkeypatch.setattr(cpu_build, "_start_compiler", start)
+    lib = cpu_build._library_path()
+    cpu_build._build("g++", lib)
     compiled = [c[c.index("-c") + 1] for c in calls if "-c" in c]
     assert compiled == [str(edited)]
     assert len(calls) == 2  # that file, then the link
@@ -215,7 +215,7 @@ def test_a_change_to_one_file_recompiles_that_file_alone(
 def test_without_a_compiler_the_start_says_so_once_and_does_not_build(tmp_path: Path) -> None:
     out, err = _start(tmp_path / "cache", "/nonexistent").communicate(timeout=120)
     assert "loaded False" in out
-    assert err.strip().splitlines() == [cpu_ops.NO_COMPILER.format(cpu_ops.COMPILER_SPEEDUP)]
+    assert err.strip().splitlines() == [cpu_build.NO_COMPILER.format(cpu_build.COMPILER_SPEEDUP)]
     assert not list((tmp_path / "cache").glob("cpu_ops/*/*"))
 
 

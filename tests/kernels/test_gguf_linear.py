@@ -207,3 +207,42 @@ def test_the_real_compiler_takes_the_kernel(tmp_path: Path) -> None:
     assert len(rows) == 3  # GEMV at 1 and 4 rows, GEMM
     assert all(r.get("spill_store_bytes", 0) == 0 and "error" not in r for r in rows)
     assert [r["splitk_order"] for r in rows if "gemv" in r["case"]] == ["ok", "ok"]
+
+
+# ---- grouped: a MoE's routed experts, one launch per projection ----
+
+
+@pytest.mark.parametrize("name", ["MXFP4", "Q4_K", "Q6_K", "Q5_0"])
+def test_the_grouped_kernel_runs_each_routed_expert_on_its_rows(name: str) -> None:
+    """Rows sorted by expert, expert e's rows multiplied by its slice of the stacked weight
+    (4 experts x 32 rows), in one launch: a few rows per expert (the decode's FMA tiles) and
+    many (dot tiles split at expert boundaries), experts without rows skipped, a tile count
+    bound that leaves tiles unused. Equal to x @ W_e.T within fp32 rounding, and to the
+    per-expert torch reference."""
+    from localllm.kernels.gguf_linear import gguf_grouped_reference, gguf_grouped_triton, grouped_path
+
+    experts, n = 4, 32
+    blocks = file_blocks(name, rows=experts * n, seed=5)
+    p = pack_gguf_blocks(blocks, name)
+    w = gguf_weights(blocks, name).view(experts, n, -1)
+    for counts in ([1, 0, 2, 1], [0, 17, 0, 5], [16, 3, 0, 0]):
+        offsets = torch.tensor([0, *np.cumsum(counts)], dtype=torch.int64)
+        x = torch.randn(sum(counts), 512)
+        y = gguf_grouped_triton(x, p, experts, offsets)
+        for e in range(experts):
+            lo, hi = int(offsets[e]), int(offsets[e + 1])
+            if hi > lo:
+                assert_product(y[lo:hi], x[lo:hi], w[e], 2e-6)
+        torch.testing.assert_close(y, gguf_grouped_reference(x, p, experts, offsets), rtol=1e-5, atol=1e-5)
+    assert grouped_path(4, 32) == "gemv" and grouped_path(64, 32) == "gemv" and grouped_path(2048, 32) == "gemm"
+
+
+def test_grouped_tiles_never_straddle_experts() -> None:
+    """The device-side tile table: each expert's rows in tiles of BLOCK_M from its first row,
+    then -1 for the slots past the last tile."""
+    from localllm.kernels.gguf_linear import grouped_tiles
+
+    offsets = torch.tensor([0, 5, 5, 6, 14])  # 5, 0, 1, 8 rows
+    expert, row0 = grouped_tiles(offsets, 4, 8)
+    assert expert.tolist() == [0, 0, 2, 3, 3, -1, -1, -1]
+    assert row0[:5].tolist() == [0, 4, 5, 6, 10]

@@ -202,7 +202,8 @@ def _greedy(engine: Any) -> list[list[int]]:
     from localllm.engine.sequence import SamplingParams
 
     prompts = [[1, 45, 300, 17, 88, 230, 9, 140, 61, 77, 12, 5], [1, 33, 200]]  # 12 rows: the GEMM; a decode of 2: GEMV
-    outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    # two tokens: the prefill's and one decode step's (each interpreted launch costs ~0.2 s)
+    outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     return [o.outputs[0].token_ids for o in outs]
 
 

@@ -117,11 +117,9 @@ def test_bad_reasoning_fields_get_one_clear_error(served: Served, extra: dict, s
 
 
 def test_the_cli_names_the_parsers_and_refuses_others() -> None:
-    import subprocess
-    import sys
+    from tests.test_cli import cli_here
 
-    proc = subprocess.run([sys.executable, "-m", "localllm.cli", "serve", "--reasoning-parser", "r1"],
-                          capture_output=True, text=True, timeout=120)
+    proc = cli_here("serve", "--reasoning-parser", "r1")  # argparse refuses it: no process needed
     assert proc.returncode == 2
     assert "invalid choice: 'r1' (choose from 'auto', 'qwen3', 'deepseek_r1', 'openai_gptoss', 'none')" in proc.stderr
 

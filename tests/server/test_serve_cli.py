@@ -1,5 +1,7 @@
 """``localllm serve`` as users start it: a subprocess that prints its URL when ready, answers
-the openai client, and stops cleanly on Ctrl+C; a busy or bad port fails at once, on one line."""
+the openai client, and stops cleanly on Ctrl+C; a busy or bad port fails at once, on one line.
+The settings that fail before anything loads run ``main`` in this process (``cli_here``): a
+fresh interpreter per case would add ~2 s of imports and test nothing more."""
 
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+
+from tests.test_cli import cli_here
 
 SERVE = [sys.executable, "-m", "localllm.cli", "serve"]
 
@@ -78,7 +82,7 @@ def test_serve_bad_port_fails_fast_on_one_line(port: str) -> None:
         s.listen()
         number = str(s.getsockname()[1]) if port == "busy" else port
         started = time.monotonic()
-        r = subprocess.run([*SERVE, "--port", number], check=False, capture_output=True, text=True, timeout=60)
+        r = cli_here("serve", "--port", number)
     assert r.returncode == 2
     assert r.stderr.startswith("localllm: error: cannot listen") or "--port" in r.stderr
     assert r.stderr.count("\n") == 1
@@ -96,11 +100,13 @@ def test_serve_bad_port_fails_fast_on_one_line(port: str) -> None:
     (["--allowed-origins", "localhost:3000"], {}, "--allowed-origins: 'localhost:3000' is not an origin"),
     ([], {"LOCALLLM_ALLOWED_HOSTS": "http://x"}, "LOCALLLM_ALLOWED_HOSTS: 'http://x'"),
 ])
-def test_bad_serve_settings_fail_fast_on_one_line(args: list[str], env: dict[str, str], words: str) -> None:
+def test_bad_serve_settings_fail_fast_on_one_line(args: list[str], env: dict[str, str], words: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """An empty key used to turn authentication off without a word."""
-    base = {k: v for k, v in os.environ.items() if k != "LOCALLLM_API_KEY"}
-    r = subprocess.run([*SERVE, "--port", "0", *args], check=False, capture_output=True, text=True, timeout=60,
-                       env={**base, **env})
+    monkeypatch.delenv("LOCALLLM_API_KEY", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    r = cli_here("serve", "--port", "0", *args)
     assert r.returncode == 2, r.stderr
     assert r.stderr.startswith("localllm: error:") and r.stderr.count("\n") == 1 and words in r.stderr, r.stderr
 
@@ -109,8 +115,7 @@ def test_a_short_api_key_gets_a_warning() -> None:
     with socket.socket() as s:  # a busy port ends the run right after the key is read
         s.bind(("127.0.0.1", 0))
         s.listen()
-        r = subprocess.run([*SERVE, "--port", str(s.getsockname()[1]), "--api-key", "abc"], check=False,
-                           capture_output=True, text=True, timeout=60)
+        r = cli_here("serve", "--port", str(s.getsockname()[1]), "--api-key", "abc")
     lines = r.stderr.splitlines()
     assert lines[0] == "localllm: warning: --api-key is 3 characters long; a key under 8 is easy to guess"
     assert r.returncode == 2 and lines[1].startswith("localllm: error: cannot listen")

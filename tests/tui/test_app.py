@@ -148,9 +148,22 @@ async def test_copy_reply_and_any_code_block() -> None:
         await wait_until(pilot, lambda: app.clipboard == "print('hi')", what="the palette's copy")
 
 
+class _HeldEngine(FakeEngine):
+    """Streams nothing until ``release`` is set: the first tab still streams when the second
+    sends on any machine (a state, not a race against a slow reply)."""
+
+    def __init__(self, reply: str, delay: float) -> None:
+        super().__init__(reply, delay=delay)
+        self.release = asyncio.Event()
+
+    async def generate(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+        await self.release.wait()
+        async for out in super().generate(*args, **kwargs):
+            yield out
+
+
 async def test_tabs_stream_together_and_a_hidden_tab_catches_up() -> None:
-    # 7.5 s of reply: the first tab still streams when the second sends, even under load
-    engine = FakeEngine(" ".join(f"w{i}" for i in range(150)), delay=0.05)
+    engine = _HeldEngine(" ".join(f"w{i}" for i in range(150)), delay=0.01)
     app = ChatApp(engine, probe=False)
     async with app.run_test(size=SIZE) as pilot:
         first = app.active_chat
@@ -160,6 +173,7 @@ async def test_tabs_stream_together_and_a_hidden_tab_catches_up() -> None:
         second = app.active_chat
         await send(pilot, second, "two")
         assert first.generating and second.generating
+        engine.release.set()  # both replies stream now, the first into a hidden tab
         await wait_until(pilot, lambda: not first.generating and not second.generating)
         await pilot.press("alt+1")
         await pilot.pause()

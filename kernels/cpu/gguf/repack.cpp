@@ -19,7 +19,7 @@ Layout layout(int64_t type) {
 
 }  // namespace localllm_cpu::gguf
 
-#ifdef LOCALLLM_GGUF_KERNELS
+// plain C++ (no intrinsics): built on every CPU, for the x86 and the generic kernels alike
 namespace localllm_cpu::gguf {
 namespace {
 
@@ -159,4 +159,3 @@ void repack(const uint8_t* w, int64_t N, int64_t K, int64_t type, uint8_t* codes
 }
 
 }  // namespace localllm_cpu::gguf
-#endif  // LOCALLLM_GGUF_KERNELS

@@ -1,0 +1,178 @@
+"""A mixture of experts' stacked expert matrices kept in the GGUF file's block types on the
+GPU (and in a Triton rehearsal on the CPU): quant/gguf_experts.py's GPU part, kept in its own
+file so that the CPU's path never imports Triton.
+
+Each projection's blocks for all E experts are one ``GGUFPacked`` of [E * rows, K] (the file's
+stacked ``blk.N.ffn_{gate,up,down}_exps`` bytes, split by kind once loaded on the device by
+kernels/gguf_linear.py's ``pack_gguf_blocks``: the same layout as a ``GGUFLinearCUDA``), so
+the experts take the file's bytes in VRAM rather than two to four times them as float. Gate
+and up of one type are one [E, 2I, K] set (expert e's gate rows then its up rows, as
+``models/moe.py``'s ``w13``); of different types two sets.
+
+``forward`` routes as ``models/moe.py``'s ``moe_experts`` does (rows sorted by expert), then
+runs each projection in one launch over every routed expert's rows (``gguf_grouped``: the
+Triton grouped kernel, its torch reference off the GPU), the activation (gpt-oss's biases and
+clamped SwiGLU too) on all rows at once between them. The expert boundaries come from a
+``searchsorted`` on the device and the launch grid from the row count alone, so nothing is
+read back to the host: a decode bucket's CUDA graph can capture it.
+
+Invariant: after loading, the packed buffers are the only copy of the experts' weights (the
+``MoE``'s float ``w13``/``w2`` are None) and hold exactly the file's expert bytes, a type
+without a GPU kernel at ``gguf_formats.FALLBACK``'s size (rounded again on the CPU first).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from localllm.errors import LocalLLMError
+from localllm.kernels.gguf_linear import GGUFPacked, dequantize_packed, gguf_grouped, gpu_layout, pack_gguf_blocks
+from localllm.models.moe import activate
+from localllm.quant import gguf_formats as gf
+from localllm.quant.gguf import GGUFBlocks, quantize_blocks
+
+
+class StackedBlocksCUDA(nn.Module):
+    """One projection of all ``experts`` experts in one block type: ``shard_rows`` output rows
+    per expert of ``in_features``. Before loading it holds one empty uint8 buffer, ``blocks``
+    (``to_empty`` puts it on the model's device, where the file's blocks are copied)."""
+
+    def __init__(self, experts: int, shard_rows: list[int], in_features: int, block_type: int) -> None:
+        super().__init__()
+        f = gf.fmt(block_type)
+        try:
+            gpu_layout(f.name)
+        except ValueError as e:
+            raise LocalLLMError(str(e)) from None
+        if in_features % f.block_weights:
+            raise LocalLLMError(f"{f.name} experts need in_features % {f.block_weights} == 0, got {in_features}")
+        self.experts, self.shard_rows, self.in_features = experts, list(shard_rows), in_features
+        self.rows = sum(shard_rows)  # per expert
+        self.block_type, self.fmt = int(block_type), f.name
+        self.register_buffer("blocks", torch.empty(0, dtype=torch.uint8))
+        self._raw: torch.Tensor | None = None  # the file's blocks [E, rows, row_bytes] while shards arrive
+        self._pending = set(range(len(shard_rows)))
+        self.packed: GGUFPacked | None = None
+
+    def load(self, shard: int, tensor: torch.Tensor | GGUFBlocks) -> None:
+        """Shard ``shard`` of every expert: the file's blocks (data [E, n, row_bytes] or
+        [E * n, row_bytes] of this type) or a float [E, n, K] weight, rounded here on the CPU."""
+        n, E, K = self.shard_rows[shard], self.experts, self.in_features
+        row_bytes = gf.fmt(self.block_type).row_bytes(K)
+        if isinstance(tensor, GGUFBlocks):
+            if tensor.type != self.block_type or tensor.data.numel() != E * n * row_bytes:
+                raise LocalLLMError(
+                    f"GGUF experts {gf.type_name(tensor.type)} {tuple(tensor.data.shape)} do not fit "
+                    f"{E} {self.fmt} experts of {n}x{K}")
+            blocks = tensor.data.reshape(E, n, row_bytes)
+        else:
+            if tuple(tensor.shape) != (E, n, K):
+                raise LocalLLMError(f"expert weights of shape {tuple(tensor.shape)}, expected {(E, n, K)}")
+            blocks = quantize_blocks(tensor.reshape(E * n, K), self.block_type).reshape(E, n, row_bytes)
+        if self._raw is None:
+            self._raw = torch.empty(E, self.rows, row_bytes, dtype=torch.uint8, device=self.blocks.device)
+        start = sum(self.shard_rows[:shard])
+        self._raw[:, start:start + n].copy_(blocks)  # host to device, from the file's pages
+        self._pending.discard(shard)
+        if not self._pending:
+            self._finish_loading()
+
+    def _finish_loading(self) -> None:
+        assert self._raw is not None
+        packed = pack_gguf_blocks(self._raw.view(self.experts * self.rows, -1), self.fmt)
+        self._raw = None  # the packed tensors hold the same bytes; keep one copy
+        del self._buffers["blocks"]
+        for name, t in packed.tensors().items():
+            self.register_buffer(name, t)
+        self.packed = packed
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:  # noqa: ANN401
+        super()._apply(fn, recurse)
+        if self.packed is not None:  # the buffers moved: the packed view follows them
+            self.packed = GGUFPacked.from_tensors(self.fmt, self.packed.out_features, self.in_features,
+                                                  {n: self._buffers[n] for n in self.packed.tensors()})
+        return self
+
+    @property
+    def missing(self) -> list[int]:
+        return sorted(self._pending)
+
+    def loaded(self) -> GGUFPacked:
+        if self.packed is None:
+            raise LocalLLMError(f"{self.fmt} GPU experts were used before their blocks were loaded")
+        return self.packed
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [E, rows, K]: the gguf package's dequantization of the file's blocks."""
+        return dequantize_packed(self.loaded()).view(self.experts, self.rows, self.in_features)
+
+    def extra_repr(self) -> str:
+        return f"{self.experts} x {self.shard_rows}x{self.in_features}, type={self.fmt}"
+
+
+class GGUFExpertsCUDA(nn.Module):
+    """All experts of one MoE layer in the file's block types for the GPU's kernels: ``w13``
+    (gate and up, fused when of one type; else ``w13`` gate and ``w3`` up) and ``w2`` (down).
+    The same loading interface and call as the CPU's ``GGUFExperts``."""
+
+    def __init__(self, experts: int, hidden: int, intermediate: int, gate_type: int, up_type: int,
+                 down_type: int) -> None:
+        super().__init__()
+        self.experts, self.hidden = experts, hidden
+        fused = gate_type == up_type
+        self.w13 = StackedBlocksCUDA(experts, [intermediate, intermediate] if fused else [intermediate], hidden,
+                                     gate_type)
+        self.w3 = None if fused else StackedBlocksCUDA(experts, [intermediate], hidden, up_type)
+        self.w2 = StackedBlocksCUDA(experts, [hidden], intermediate, down_type)
+
+    def load_weight(self, param: str, tensor: torch.Tensor | GGUFBlocks, shard: int | None) -> None:
+        """``models/moe.py``'s names: ``w13`` shard 0 (gate) or 1 (up), ``w2``; all experts at once."""
+        if param == "w2" and shard is None:
+            self.w2.load(0, tensor)
+        elif param == "w13" and shard in (0, 1):
+            if self.w3 is None:
+                self.w13.load(shard, tensor)
+            else:
+                (self.w13 if shard == 0 else self.w3).load(0, tensor)
+        else:
+            raise LocalLLMError(f"expert tensor {param!r} (shard {shard}) has no place in GGUF experts")
+
+    def expected_weight_names(self) -> list[str]:
+        """The stacked tensors still missing (the loader's ``expected - loaded``)."""
+        if self.w3 is None:
+            names = [f"w13#{s}" for s in self.w13.missing]
+        else:
+            names = ["w13#0"] * bool(self.w13.missing) + ["w13#1"] * bool(self.w3.missing)
+        return names + ["w2"] * bool(self.w2.missing)
+
+    def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 (w13 [E, 2I, H], w2 [E, H, I])."""
+        w13 = self.w13.dequantize() if self.w3 is None else torch.cat([self.w13.dequantize(), self.w3.dequantize()], 1)
+        return w13, self.w2.dequantize()
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, b13: torch.Tensor | None,
+                b2: torch.Tensor | None, limit: float, alpha: float) -> torch.Tensor:
+        """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]), [T, H] fp32 (``moe_experts``'s result)."""
+        T, k = ids.shape
+        E = self.experts
+        flat = ids.flatten()
+        order = torch.argsort(flat, stable=True)
+        expert = flat.index_select(0, order)  # each sorted row's expert
+        offsets = torch.searchsorted(expert, torch.arange(E + 1, device=x.device, dtype=expert.dtype))
+        tokens = order // k
+        rows = x.index_select(0, tokens)
+        h = gguf_grouped(rows, self.w13.loaded(), E, offsets)
+        if self.w3 is not None:
+            h = torch.cat([h, gguf_grouped(rows, self.w3.loaded(), E, offsets)], 1)
+        h = h.float()
+        if b13 is not None:
+            h = h + b13.index_select(0, expert).float()
+        out = gguf_grouped(activate(h, limit, alpha).to(rows.dtype), self.w2.loaded(), E, offsets).float()
+        if b2 is not None:
+            out = out + b2.index_select(0, expert).float()
+        out.mul_(weights.flatten().index_select(0, order).float().unsqueeze(1))
+        return torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, tokens, out)

@@ -171,14 +171,18 @@ class GGUFExperts(nn.Module):
     when of one type; else ``w13`` gate and ``w3`` up) and ``w2`` (down). ``MoE.forward``
     calls it with the routing and the MoE's own biases and activation settings."""
 
+    # the holder of one projection's stacked blocks: the GPU subclass keeps them on the device
+    stacked_blocks: type[nn.Module] = StackedBlocks
+
     def __init__(self, experts: int, hidden: int, intermediate: int, gate_type: int, up_type: int,
                  down_type: int) -> None:
         super().__init__()
-        self.experts = experts
+        self.experts, self.hidden = experts, hidden
         fused = gate_type == up_type
-        self.w13 = StackedBlocks(experts, [intermediate, intermediate] if fused else [intermediate], hidden, gate_type)
-        self.w3 = None if fused else StackedBlocks(experts, [intermediate], hidden, up_type)
-        self.w2 = StackedBlocks(experts, [hidden], intermediate, down_type)
+        blocks = self.stacked_blocks
+        self.w13 = blocks(experts, [intermediate, intermediate] if fused else [intermediate], hidden, gate_type)
+        self.w3 = None if fused else blocks(experts, [intermediate], hidden, up_type)
+        self.w2 = blocks(experts, [hidden], intermediate, down_type)
 
     def load_weight(self, param: str, tensor: torch.Tensor | GGUFBlocks, shard: int | None) -> None:
         """``models/moe.py``'s names: ``w13`` shard 0 (gate) or 1 (up), ``w2``; all experts at once."""

@@ -34,6 +34,7 @@ from localllm.kernels.gguf_linear import GGUFPacked, dequantize_packed, gguf_gro
 from localllm.models.moe import activate
 from localllm.quant import gguf_formats as gf
 from localllm.quant.gguf import GGUFBlocks, quantize_blocks
+from localllm.quant.gguf_experts import GGUFExperts
 
 
 class StackedBlocksCUDA(nn.Module):
@@ -114,45 +115,12 @@ class StackedBlocksCUDA(nn.Module):
         return f"{self.experts} x {self.shard_rows}x{self.in_features}, type={self.fmt}"
 
 
-class GGUFExpertsCUDA(nn.Module):
+class GGUFExpertsCUDA(GGUFExperts):
     """All experts of one MoE layer in the file's block types for the GPU's kernels: ``w13``
     (gate and up, fused when of one type; else ``w13`` gate and ``w3`` up) and ``w2`` (down).
     The same loading interface and call as the CPU's ``GGUFExperts``."""
 
-    def __init__(self, experts: int, hidden: int, intermediate: int, gate_type: int, up_type: int,
-                 down_type: int) -> None:
-        super().__init__()
-        self.experts, self.hidden = experts, hidden
-        fused = gate_type == up_type
-        self.w13 = StackedBlocksCUDA(experts, [intermediate, intermediate] if fused else [intermediate], hidden,
-                                     gate_type)
-        self.w3 = None if fused else StackedBlocksCUDA(experts, [intermediate], hidden, up_type)
-        self.w2 = StackedBlocksCUDA(experts, [hidden], intermediate, down_type)
-
-    def load_weight(self, param: str, tensor: torch.Tensor | GGUFBlocks, shard: int | None) -> None:
-        """``models/moe.py``'s names: ``w13`` shard 0 (gate) or 1 (up), ``w2``; all experts at once."""
-        if param == "w2" and shard is None:
-            self.w2.load(0, tensor)
-        elif param == "w13" and shard in (0, 1):
-            if self.w3 is None:
-                self.w13.load(shard, tensor)
-            else:
-                (self.w13 if shard == 0 else self.w3).load(0, tensor)
-        else:
-            raise LocalLLMError(f"expert tensor {param!r} (shard {shard}) has no place in GGUF experts")
-
-    def expected_weight_names(self) -> list[str]:
-        """The stacked tensors still missing (the loader's ``expected - loaded``)."""
-        if self.w3 is None:
-            names = [f"w13#{s}" for s in self.w13.missing]
-        else:
-            names = ["w13#0"] * bool(self.w13.missing) + ["w13#1"] * bool(self.w3.missing)
-        return names + ["w2"] * bool(self.w2.missing)
-
-    def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 (w13 [E, 2I, H], w2 [E, H, I])."""
-        w13 = self.w13.dequantize() if self.w3 is None else torch.cat([self.w13.dequantize(), self.w3.dequantize()], 1)
-        return w13, self.w2.dequantize()
+    stacked_blocks = StackedBlocksCUDA
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, b13: torch.Tensor | None,
                 b2: torch.Tensor | None, limit: float, alpha: float) -> torch.Tensor:

@@ -184,9 +184,10 @@ def gemm_cases(arch: int) -> Iterator[Case]:
 
 
 def gguf_cases(arch: int) -> Iterator[Case]:
-    """The GGUF block kernel (kernels/gguf_linear.py): every config of each path (decode GEMV at
-    1 and 4 rows, small-batch and prefill dot) on every type in fp16, and on Q4_K (the
-    commonest type) in bf16 too: the decode, and so the registers, differ per type."""
+    """The GGUF block kernels (kernels/gguf_linear.py): every config of each path (decode GEMV at
+    1 and 4 rows, batched-decode dot at 16 and 64 rows, prefill dot), the dequantize kernel of
+    prefill's dequantize-then-cuBLAS, and the grouped (MoE) launches, on every type in fp16, and
+    on Q4_K (the commonest type) in bf16 too: the decode, and so the registers, differ per type."""
     g = gguf_linear
     fn = g._gguf_matmul_kernel
     paths = (("gemv", g._GEMV_CONFIGS), ("small", g._SMALL_CONFIGS), ("gemm", g._GEMM_CONFIGS))
@@ -205,10 +206,17 @@ def gguf_cases(arch: int) -> Iterator[Case]:
                 for i, c in enumerate(cfgs):
                     if arch < 90 and c.hopper_only:
                         continue
-                    for bm in (1, 4) if label == "gemv" else (c.kwargs["BLOCK_M"],):
+                    rows = {"gemv": (1, 4), "small": (16, 64)}.get(label, (c.kwargs.get("BLOCK_M"),))
+                    for bm in rows:
                         kw = dict(c.kwargs, BLOCK_M=bm)
+                        launch = g.gemv_config(c, bm, lay) if label == "gemv" else c
                         yield (f"gguf {name} {act} {label}[{i}] {kw}", fn, ptrs,
-                               dict(fmt_cx, **kw, USE_DOT=label != "gemv"), g.launch_options(c))  # fmt: skip
+                               dict(fmt_cx, **kw, USE_DOT=label != "gemv"), g.launch_options(launch))  # fmt: skip
+            # prefill's dequantize-then-cuBLAS: the weights written in the activation dtype
+            dq = {k: v for k, v in ptrs.items() if k not in ("x_ptr", "ws_ptr", "locks_ptr")}
+            yield (f"gguf dequant {name} {act} {g._DEQUANT.kwargs}", g._gguf_dequant_kernel, dq,
+                   dict({k: v for k, v in fmt_cx.items() if k != "DOT_FP32"}, **g._DEQUANT.kwargs),
+                   g.launch_options(g._DEQUANT))  # fmt: skip
             # the grouped entry (a MoE's routed experts, one launch per projection): each path's tiles
             grouped = {**{k: v for k, v in ptrs.items() if k not in ("ws_ptr", "locks_ptr")},
                        "tile_expert_ptr": "*i32", "tile_row_ptr": "*i64", "offsets_ptr": "*i64"}

@@ -15,8 +15,9 @@ tensor into the fixtures cache (``--out``), never into the repository.
 
 The load runs in a fresh process, ``load_model`` as ``localllm run`` calls it (no compile, a
 small KV pool), sampling the process's anonymous resident memory (RssAnon: what the loader
-allocates; the memory-mapped file's pages are the page cache's) every 20 ms. Reported: load
-seconds, peak and final RssAnon, the plan's weight bytes, the file's size.
+allocates; the memory-mapped file's pages are the page cache's, RssFile, reported apart) every
+20 ms. Reported: load seconds, peak and final RssAnon and RssFile, the plan's weight bytes, the
+file's size, the progress reports.
 """
 
 from __future__ import annotations
@@ -119,21 +120,27 @@ LOAD = textwrap.dedent('''
     import json, sys, threading, time
     from pathlib import Path
 
-    def rss_anon():
+    def status(key):
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("RssAnon:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
         return 0
 
+    def rss_anon():
+        return status("RssAnon")
+
     peak = [rss_anon()]
+    peak_file = [status("RssFile")]
     done = threading.Event()
     def sample():
         while not done.is_set():
             peak[0] = max(peak[0], rss_anon())
+            peak_file[0] = max(peak_file[0], status("RssFile"))
             time.sleep(0.02)
     import torch
     from localllm.models.loader import load_model
     base = rss_anon()
+    base_file = status("RssFile")
     threading.Thread(target=sample, daemon=True).start()
     seen = []
     t0 = time.monotonic()
@@ -142,9 +149,11 @@ LOAD = textwrap.dedent('''
     t1 = time.monotonic()
     done.set()
     final = rss_anon()
+    final_file = status("RssFile")
     held = sum(t.numel() * t.element_size() for t in [*loaded.model.parameters(), *loaded.model.buffers()])
     print(json.dumps({"load_s": round(t1 - t0, 1), "base": base, "peak": max(peak[0], final) - base,
-                      "final": final - base, "held": held, "planned": loaded.plan.weight_bytes,
+                      "final": final - base, "held": held,
+                      "file_pages_peak": peak_file[0] - base_file, "file_pages_final": final_file - base_file, "planned": loaded.plan.weight_bytes,
                       "precision": loaded.precision, "progress_calls": len(seen),
                       "reason": next(r for r in loaded.plan.reasons if "gguf" in r)}))
 ''')
@@ -173,6 +182,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{out.name}: {report['file_bytes'] / gb:.2f} GB file, loaded in {report['load_s']} s as "
               f"{report['precision']}; loader memory peak {report['peak'] / gb:.2f} GB, "
               f"after {report['final'] / gb:.2f} GB, model tensors {report['held'] / gb:.2f} GB, planned {report['planned'] / gb:.2f} GB")
+        print(f"the file's mapped pages in RSS (the page cache's, reclaimable): peak {report['file_pages_peak'] / gb:.2f} GB, "
+              f"after {report['file_pages_final'] / gb:.2f} GB; {report['progress_calls']} progress reports")
         print(f"plan: {report['reason']}")
     return 0
 

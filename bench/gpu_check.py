@@ -18,6 +18,10 @@ returns every figure it measured.
     python bench/gpu_check.py --only kernels,e2e --e2e-quants rtn4 --budget 200
     python bench/gpu_check.py --smoke       # CPU: tiny shapes under TRITON_INTERPRET=1, to
                                             # exercise this script's own code paths
+    # one area only: the GGUF kernel cases, its tests first, its end-to-end run
+    python bench/gpu_check.py --only env,bandwidth,kernels,tests,e2e --match gguf \
+      --tests "tests/kernels/test_gguf_linear.py tests/kernels -x" --tests-timeout 75 \
+      --e2e-quants gguf --budget 255
 
 Cold, the kernels section spends most of its time compiling and autotuning (autotune picks
 are saved in localllm's compiled cache per GPU, torch, triton and kernel source, so a second
@@ -31,9 +35,12 @@ the JSON is rewritten after every case, so a killed run keeps what it measured):
 - kernels: every Triton kernel against torch eager / SDPA / cuBLAS and against the roofline
   (bytes moved / measured bandwidth). Timings replay a CUDA graph (no launch overhead) over
   enough distinct weight or KV copies that nothing is served from L2, which is what a decode
-  step sees. GGUF blocks as stored (a Q4_K_M file's Q4_K and Q6_K) at M = 1 (decode GEMV),
-  16 and 2048.
-- tests: ``pytest tests/kernels`` for real on CUDA (TRITON_INTERPRET unset).
+  step sees. GGUF blocks as stored (a Q4_K_M file's Q4_K and Q6_K) at M = 1 and 4 (decode
+  GEMV), 16 and 64 (a batch of decodes) and 2048 (prefill: also dequantize-then-cuBLAS and
+  the dispatcher's choice). ``--match`` runs only the cases whose name contains one of its
+  words.
+- tests: ``pytest tests/kernels`` for real on CUDA (TRITON_INTERPRET unset); ``--tests`` sets
+  the pytest targets and options, ``--tests-timeout`` its most seconds.
 - e2e: a random-weight Llama-3.1-8B-shaped HF folder (bf16, in /tmp), run through
   ``localllm.LLM`` at batch 1 and 64 for each quantization, then bf16 with an FP8 KV cache
   (``kv-fp8``) and bf16 without CUDA graphs (``no-graphs``), plus HF transformers when
@@ -101,6 +108,9 @@ class Deadline:
 # starting cases, so the sections after it keep their share of the budget.
 _REPORT: Report | None = None
 _CASES_UNTIL: Deadline | None = None
+# --match: the kernel cases whose name contains one of these run; the others are left out
+# (not recorded). Empty: every case.
+_MATCH: list[str] = []
 
 
 def guarded(report: Report, name: str, fn: Callable[[dict[str, Any]], None]) -> None:
@@ -122,7 +132,10 @@ def guarded(report: Report, name: str, fn: Callable[[dict[str, Any]], None]) -> 
 
 def case(results: dict[str, Any], name: str, fn: Callable[[], dict[str, Any]]) -> None:
     """One benchmark case inside a section: its failure is recorded and the section goes on;
-    once the section's share of the budget is spent, the case is recorded as skipped."""
+    once the section's share of the budget is spent, the case is recorded as skipped. A case
+    that ``--match`` leaves out is not run."""
+    if _MATCH and not any(m in name for m in _MATCH):
+        return
     if _CASES_UNTIL is not None and _CASES_UNTIL.left() <= 0:
         results[name] = {"skipped": "the kernels section's share of --budget is spent"}
         print(f"   {name}: skipped (budget)", flush=True)
@@ -498,8 +511,13 @@ def section_kernels(out: dict[str, Any], torch: Any, device: str, smoke: bool, p
         dense_us, _ = timer(rotate([lambda d=d: F.linear(x, d) for d in dense]), calls=len(dense))
         r.update(dequant_matmul_us=round(ref_us, 2), speedup=round(ref_us / us, 2),
                  dense_bf16_us=round(dense_us, 2), speedup_vs_dense=round(dense_us / us, 2))  # fmt: skip
+        if m > gl.SMALL_M:  # prefill: the dispatcher times the kernel, dequantize-then-cuBLAS and the reference
+            dq_us, _ = timer(rotate([lambda w=w: gl.gguf_linear_dequant_mm(x, w) for w in ws]), calls=n_copies)
+            r.update(dequant_cublas_us=round(dq_us, 2), dequant_cublas_speedup_vs_dense=round(dense_us / dq_us, 2))
         gl.gguf_linear(x, ws[0])  # the dispatcher's measured choice for this shape
         r["dispatcher_choice"] = {str(key): v for key, v in kt.gemm_choices().items() if key[0] == "gguf"}
+        disp_us, _ = timer(rotate([lambda w=w: gl.gguf_linear(x, w) for w in ws]), calls=n_copies)
+        r.update(dispatcher_us=round(disp_us, 2), dispatcher_speedup_vs_dense=round(dense_us / disp_us, 2))
         ref = gl.gguf_linear_reference(x.float(), ws[0])
         r["max_rel_err_vs_fp32_ref"] = float((gl.gguf_linear_triton(x, ws[0]).float() - ref).abs().max()
                                              / ref.abs().max().clamp_min(1e-30))
@@ -509,8 +527,10 @@ def section_kernels(out: dict[str, Any], torch: Any, device: str, smoke: bool, p
     for kind, k, n in g_shapes:
         case(res, f"gguf_{kind.lower()}_gemv_m1_{k}x{n}", lambda kind=kind, k=k, n=n: gguf_case(kind, 1, k, n))
     kind, k, n = g_shapes[0]
-    for m in (16, 48 if smoke else 2048):
-        case(res, f"gguf_{kind.lower()}_gemm_m{m}_{k}x{n}", lambda m=m: gguf_case(kind, m, k, n))
+    # 4: the GEMV's widest tile; 16 and 64: a batch of decodes (one dot tile, split-K); prefill
+    for m in (4, 16, 64, 96 if smoke else 2048):
+        path = "gemv" if m <= 4 else "gemm"
+        case(res, f"gguf_{kind.lower()}_{path}_m{m}_{k}x{n}", lambda m=m: gguf_case(kind, m, k, n))
 
     # -- fused elementwise kernels at a 4096-token prefill --
     T, HID = (8, 64) if smoke else (4096, 4096)
@@ -550,11 +570,12 @@ def section_kernels(out: dict[str, Any], torch: Any, device: str, smoke: bool, p
     out["gemm_backend_choices"] = {str(k): v for k, v in kt.gemm_choices().items()}
 
 
-def section_tests(out: dict[str, Any], timeout: float) -> None:
+def section_tests(out: dict[str, Any], timeout: float, pytest_args: str = "tests/kernels") -> None:
+    """``pytest`` of ``pytest_args`` (targets and options, split on spaces) on CUDA."""
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
     env["TRITON_INTERPRET"] = "0"  # tests/conftest.py only sets it when absent
-    cmd = [sys.executable, "-m", "pytest", "tests/kernels", "-q", "-rfEs", "-p", "no:cacheprovider"]
+    cmd = [sys.executable, "-m", "pytest", *pytest_args.split(), "-q", "-rfEs", "-p", "no:cacheprovider"]
     t0 = time.monotonic()
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
@@ -1030,11 +1051,13 @@ def check_imports() -> dict[str, str]:
     return found
 
 
-def budget_plan(sections: list[str], budget: float) -> dict[str, float]:
+def budget_plan(sections: list[str], budget: float, e2e_quants: int = 7, tests_s: float = 120.0) -> dict[str, float]:
     """Seconds each section may start work in, in order; a section gets what the earlier ones
     left, less what the later ones are promised. e2e needs ~40 s per quantization of the
-    8-layer model (load, tune, capture, time), the kernel tests ~2 minutes on a warm cache."""
-    promised = {"env": 5.0, "bandwidth": 10.0, "kernels": 0.0, "tests": 120.0, "e2e": 200.0}
+    8-layer model (load, tune, capture, time) and the model's build first (up to 200 s for
+    all seven); the kernel tests ``tests_s`` (``--tests-timeout``; ~2 minutes on a warm cache)."""
+    promised = {"env": 5.0, "bandwidth": 10.0, "kernels": 0.0, "tests": tests_s,
+                "e2e": min(200.0, 30.0 + 60.0 * e2e_quants)}
     plan = {s: promised[s] for s in sections}
     # a small --budget shrinks every promise alike, so the kernels keep at least 30% of it
     scale = min(1.0, 0.7 * budget / max(sum(plan.values()), 1.0))
@@ -1042,7 +1065,7 @@ def budget_plan(sections: list[str], budget: float) -> dict[str, float]:
 
 
 def main() -> int:
-    global _REPORT, _CASES_UNTIL
+    global _REPORT, _CASES_UNTIL, _MATCH
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dry-run", action="store_true",
                     help="import everything a run needs, print the plan, write it to the JSON, measure nothing")
@@ -1058,8 +1081,15 @@ def main() -> int:
     ap.add_argument("--e2e-layers", type=int, default=8,
                     help="decoder layers of the 8B-shaped model (8: fits the budget; the roofline counts them)")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers comparison")
+    ap.add_argument("--match", default="",
+                    help="kernels section: only the cases whose name contains one of these (comma list), e.g. gguf")
+    ap.add_argument("--tests", default="tests/kernels",
+                    help="the tests section's pytest targets and options (space separated), e.g."
+                         " 'tests/kernels/test_gguf_linear.py tests/kernels -x' (a file named before its folder runs first)")
+    ap.add_argument("--tests-timeout", type=float, default=150.0, help="the tests section's most seconds")
     ap.add_argument("--out", default=None, help="JSON path (default $OUT/gpu_check.json or ./gpu_check.json)")
     args = ap.parse_args()
+    _MATCH = [m for m in args.match.split(",") if m]
 
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
@@ -1079,7 +1109,9 @@ def main() -> int:
     device = "cpu" if args.smoke else "cuda"
     plan = {"device": device, "sections": sections, "budget_s": args.budget, "out": str(out_path),
             "e2e_quants": args.e2e_quants, "e2e_layers": args.e2e_layers,
-            "reserved_s": budget_plan(sections, args.budget)}  # fmt: skip
+            "match": args.match, "tests": args.tests,
+            "reserved_s": budget_plan(sections, args.budget, len([q for q in args.e2e_quants.split(",") if q.strip()]),
+                                      min(120.0, args.tests_timeout))}  # fmt: skip
     no_gpu = not has_gpu and not args.smoke
     report = Report(out_path)
     report.data["plan"] = plan
@@ -1135,8 +1167,8 @@ def main() -> int:
         if args.smoke:
             report.section("tests")["skipped"] = "smoke mode: run `pytest tests/kernels` directly"
         else:
-            timeout = max(30.0, min(150.0, deadline.left() - later("tests")))
-            guarded(report, "tests", lambda o: section_tests(o, timeout))
+            timeout = max(30.0, min(args.tests_timeout, deadline.left() - later("tests")))
+            guarded(report, "tests", lambda o: section_tests(o, timeout, args.tests))
     if "e2e" in sections:
 
         def e2e(o: dict[str, Any]) -> None:

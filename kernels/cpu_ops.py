@@ -115,6 +115,10 @@ def _register_fakes() -> None:
         def _(x, packed, type, levels, offsets):  # type: ignore[no-untyped-def]
             return x.new_empty(x.shape[0], packed[0].shape[0] * 8 // (offsets.shape[0] - 1))
 
+        @torch.library.register_fake("localllm_cpu::gguf_moe_experts")
+        def _(x, weights, ids, w13, w13_type, w3, w3_type, w2, w2_type, b13, b2, limit, alpha, levels):  # type: ignore[no-untyped-def]
+            return x.new_empty(x.shape[0], x.shape[1])
+
     @torch.library.register_fake("localllm_cpu::dense_linear")
     def _(x, weight, bias=None):  # type: ignore[no-untyped-def]
         return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)

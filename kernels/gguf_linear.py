@@ -19,9 +19,13 @@ reads them with wide loads, while the small per-block fields sit apart:
 
 Invariants: the four tensors hold exactly the file's bytes (bits per weight equal to the
 file's); ``dequantize_packed`` equals the ``gguf`` package's ``quants.dequantize`` of the raw
-blocks bit for bit, and so does the kernels' in-register decode (every product in these
-formulas is exact in fp32, so a fused multiply-add rounds as numpy's two operations do); the
-tensor-core path then rounds those weights once to fp16/bf16 when x is half precision.
+blocks bit for bit, and so do the kernels' in-register decode (``_decode_tile``) and the
+dequantize kernel's fp32 output (``dequantize_triton``): every product in these formulas is
+exact in fp32, so a fused multiply-add rounds as numpy's two operations do. The tensor-core
+paths then round those weights once to fp16/bf16 when x is half precision. The decode GEMV
+(``_gemv_tile``) does not form the weights: it sums x times each code's value per sub-block
+and applies the sub-block's scale (and min) to the sums, so it equals x @ W.T to fp32
+rounding (tests: within 2e-6 of the sum of the terms' magnitudes), not bit for bit.
 Which fields are codes, high bits, scales or fp16 comes from the traits table
 (``localllm.quant.gguf_formats``) by field name; only each type's nibble order is known here.
 The IQ4 / MXFP4 value tables come from the ``gguf`` package and reach the kernel as
@@ -29,12 +33,27 @@ compile-time words (``lut_words``), not as a per-weight memory gather. Packing w
 rows at a time, so its transient memory stays small beside a vocabulary-sized matrix.
 
 One kernel body (``_gguf_matmul_kernel``) serves every type: ``FORMAT`` (the GGML type id,
-a constexpr) selects the decode in ``_decode_tile``. Decode (M <= ``GEMV_MAX_M``) reduces with
-fp32 FMAs and no tensor-core tile (``USE_DOT=False``); it is laid out for a memory-bound
-GEMV: each program streams a [BLOCK_N rows x K / SPLIT_K] strip of blocks once, and split-K
-(the last program sums, ``split_k_sum``) spreads a layer over every SM. Larger M uses
-``tl.dot``: a 16-row split-K tile up to ``SMALL_M``, prefill tiles above. No speed has been
-measured on a GPU yet (bench/aot_check.py compiles every config for sm80/sm89/sm90).
+a constexpr) selects the decode. Per weight the decode is a shift and a mask of the code's
+word (codes split by constant shifts, put back in order by ``tl.join``s, so they stay in the
+thread's registers) and an or with 1.0's exponent (``_code_unit``: the code as the fp32
+1 + q / 2^bits, no int->float convert); a sub-block's scale bytes are decoded once per SUB
+weights (``_tile_scales``). Three paths, by M:
+
+- decode GEMV (M <= ``GEMV_MAX_M``): fp32 FMAs, no tensor-core tile; each program streams a
+  [BLOCK_N rows x K / SPLIT_K] strip of blocks once, and split-K (the last program sums,
+  ``split_k_sum``) spreads a layer over every SM;
+- a batch of decodes (M <= ``SMALL_M``): one ``tl.dot`` tile holds all M rows, so each weight
+  is decoded once per launch, with split-K;
+- prefill (M > ``SMALL_M``): the fastest, measured once per shape (``gguf_linear``), of the
+  kernel's prefill tiles, dequantize-then-cuBLAS (``gguf_linear_dequant_mm``: the weights
+  written in x's dtype by ``_gguf_dequant_kernel``, in row chunks of a bounded scratch) and
+  the torch reference.
+
+Measured on an H200 before this layout (2026-12-04): the GEMV at 6-10% of the read roofline,
+compute-bound on a per-weight decode through shared-memory layout conversions: 733 SASS
+instructions in the sm90 loop for 32 weights a thread (23 a weight, Q4_K, one row). This
+layout: 407 for 64 (6.4 a weight; 96 registers, so 5 programs an SM). Not yet timed on a GPU
+(bench/aot_check.py compiles every config for sm80/sm89/sm90; bench/gpu_check.py times them).
 
 ``gguf_grouped`` is the mixture-of-experts entry: a stacked [E * N, K] expert weight and rows
 sorted by expert, every routed expert's rows in one launch (``_gguf_grouped_kernel``, the same
@@ -50,6 +69,7 @@ from typing import Any
 import torch
 
 from localllm.kernels._triton import (
+    INTERPRET,
     Config,
     capability,
     configs_for,
@@ -67,7 +87,11 @@ from localllm.kernels._triton import (
     triton,
     use_triton,
 )
+from localllm.kernels.awq_gemm import _interleave8
 from localllm.quant import gguf_formats as gf
+
+# Inline PTX where the compiled kernel gains from it; the interpreter runs the plain operations.
+_ASM = tl.constexpr(not INTERPRET)
 
 # The types the kernels take. Per type, the file's code order: weights of one block come in
 # runs of ``run`` bytes, each byte's bit fields (lowest first) holding consecutive runs, as
@@ -347,18 +371,6 @@ def gguf_linear_reference(x: torch.Tensor, p: GGUFPacked) -> torch.Tensor:
 
 
 @triton.jit
-def _unpack_words(words, BITS: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, SIGNED: tl.constexpr):
-    """int32 [ROWS, COLS * BITS / 32] of straight-packed codes -> int32 [ROWS, COLS]."""
-    PER: tl.constexpr = 32 // BITS
-    shifts = tl.arange(0, PER) * BITS
-    if SIGNED:  # int8 codes: shift the byte to the top, then arithmetic shift back
-        v = (words[:, :, None] << (32 - BITS - shifts[None, None, :])) >> (32 - BITS)
-    else:
-        v = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
-    return tl.reshape(v, (ROWS, COLS))
-
-
-@triton.jit
 def _table(q, LUT0: tl.constexpr, LUT1: tl.constexpr, LUT2: tl.constexpr, LUT3: tl.constexpr):
     """The int8 table entry q (0..15) as fp32: the 16 entries are compile-time words (4 a word,
     ``lut_words``), picked by q >> 2 and shifted out, so no per-weight memory gather."""
@@ -367,33 +379,135 @@ def _table(q, LUT0: tl.constexpr, LUT1: tl.constexpr, LUT2: tl.constexpr, LUT3: 
 
 
 @triton.jit
-def _decode_tile(
-    codes_ptr, high_ptr, scales_ptr, d_ptr, offs_n, n_ok, k0, K,
-    FORMAT: tl.constexpr, BW: tl.constexpr, SUB: tl.constexpr, LO_BITS: tl.constexpr, HI_BITS: tl.constexpr,
-    ND: tl.constexpr, NSC: tl.constexpr, LUT0: tl.constexpr, LUT1: tl.constexpr, LUT2: tl.constexpr,
-    LUT3: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+def _is_table(FORMAT: tl.constexpr):
+    """IQ4_NL, IQ4_XS, MXFP4: a code indexes a 16-value table instead of being an integer."""
+    return FORMAT == 20 or FORMAT == 23 or FORMAT == 39
+
+
+@triton.jit
+def _offset(FORMAT: tl.constexpr):
+    """What ggml adds to an integer code before its scale (Q8_0's code is stored as q + 128)."""
+    if FORMAT == 8:
+        off: tl.constexpr = -128
+    elif FORMAT == 2:
+        off: tl.constexpr = -8
+    elif FORMAT == 6:
+        off: tl.constexpr = -16
+    elif FORMAT == 14:
+        off: tl.constexpr = -32
+    else:
+        off: tl.constexpr = 0
+    return off
+
+
+@triton.jit
+def _code_unit(words, SHIFT: tl.constexpr, hi, HI_SHIFT: tl.constexpr, FORMAT: tl.constexpr,
+               LO_BITS: tl.constexpr, HI_BITS: tl.constexpr, LUT0: tl.constexpr, LUT1: tl.constexpr,
+               LUT2: tl.constexpr, LUT3: tl.constexpr):
+    """fp32 of the code c at bits SHIFT.. of each word (its high bits at HI_SHIFT.. of ``hi``):
+    for an integer type u = 1 + c / 2^QB (QB = the code's bits; Q8_0's c is q + 128), made
+    by moving the code under the mantissa's top bits and or-ing in 1.0's exponent: a shift
+    and a lop3, no int->float convert (a quarter-rate instruction); ``_unit_value`` maps u
+    back to the integer exactly. For a table type, the table entry itself."""
+    if _is_table(FORMAT):
+        c = (words >> SHIFT) & ((1 << LO_BITS) - 1)
+        u = _table(c, LUT0, LUT1, LUT2, LUT3)
+    else:
+        POS: tl.constexpr = 23 - LO_BITS - HI_BITS  # the code's lowest bit in the fp32 mantissa
+        MASK: tl.constexpr = ((1 << LO_BITS) - 1) << POS
+        if SHIFT >= POS:
+            moved = words >> (SHIFT - POS)
+        else:
+            moved = words << (POS - SHIFT)
+        if _ASM and LO_BITS == 4 and HI_BITS == 0:  # MASK = 0x780000
+            # (moved & MASK) | 1.0f as one lop3: written as two operations, both constants are
+            # immediates and ptxas emits two (a lop3 takes one immediate)
+            return tl.inline_asm_elementwise(
+                "lop3.b32 $0, $1, 0x780000, 0x3F800000, 0xEA;", "=r,r", [moved], dtype=tl.int32, is_pure=True,
+                pack=1,
+            ).to(tl.float32, bitcast=True)
+        c = moved & MASK
+        if HI_BITS > 0:
+            HPOS: tl.constexpr = POS + LO_BITS
+            HMASK: tl.constexpr = ((1 << HI_BITS) - 1) << HPOS
+            if HI_SHIFT >= HPOS:
+                c = c | ((hi >> (HI_SHIFT - HPOS)) & HMASK)
+            else:
+                c = c | ((hi << (HPOS - HI_SHIFT)) & HMASK)
+        if FORMAT == 8:  # the byte is int8: q + 128 = byte ^ 0x80
+            c = c ^ (0x80 << POS)
+        u = (c | 0x3F800000).to(tl.float32, bitcast=True)
+    return u
+
+
+@triton.jit
+def _unit_value(u, FORMAT: tl.constexpr, QB: tl.constexpr):
+    """The value before the block scale from ``_code_unit``'s u: (u - 1) * 2^QB + offset, each
+    step exact (u - 1 is a multiple of 2^-QB below 1); a table entry as it is."""
+    if _is_table(FORMAT):
+        v = u
+    else:
+        v = (u - 1.0) * (1 << QB) + _offset(FORMAT)
+    return v
+
+
+@triton.jit
+def _tile_units(
+    codes_ptr, high_ptr, rows, n_ok, k0, K,
+    FORMAT: tl.constexpr, LO_BITS: tl.constexpr, HI_BITS: tl.constexpr, LUT0: tl.constexpr, LUT1: tl.constexpr,
+    LUT2: tl.constexpr, LUT3: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
 ):
-    """fp32 [BLOCK_N, BLOCK_K]: rows offs_n, columns k0 .. k0 + BLOCK_K of the weight (zero
-    outside N x K). FORMAT is the GGML type id; the branches are resolved at compile time."""
-    rows = offs_n.to(tl.int64)[:, None]
-    # the codes: one contiguous run of BLOCK_K * LO_BITS / 8 bytes per row
+    """fp32 [BLOCK_N, BLOCK_K]: ``_code_unit`` of each code, rows ``rows`` (int64 [BLOCK_N, 1]),
+    columns k0 .. k0 + BLOCK_K. Each row's codes are one contiguous run (BLOCK_K * LO_BITS / 8
+    bytes); a word's codes are split by constant shifts and put back in column order by
+    ``tl.join``s (a minor axis in one thread's registers), so no shared-memory layout
+    conversion runs per weight (as in the AWQ kernel)."""
     LO_PER: tl.constexpr = 32 // LO_BITS
-    offs_w = k0 // LO_PER + tl.arange(0, BLOCK_K // LO_PER)
+    NW: tl.constexpr = BLOCK_K // LO_PER
+    offs_w = k0 // LO_PER + tl.arange(0, NW)
     w_mask = n_ok[:, None]
     if not EVEN_K:
         w_mask = w_mask & (offs_w < K // LO_PER)[None, :]
     words = tl.load(codes_ptr + rows * (K // LO_PER) + offs_w[None, :], mask=w_mask, other=0)
-    q = _unpack_words(words, LO_BITS, BLOCK_N, BLOCK_K, FORMAT == 8)
+    hi = words  # no high bits: never read
     if HI_BITS > 0:
+        # every word's LO_PER codes share one high-bits word (LO_PER divides 32 / HI_BITS): it is
+        # gathered per code word and shifted to that word's first code
         HI_PER: tl.constexpr = 32 // HI_BITS
-        offs_h = k0 // HI_PER + tl.arange(0, BLOCK_K // HI_PER)
+        first = k0 + tl.arange(0, NW) * LO_PER
         h_mask = n_ok[:, None]
         if not EVEN_K:
-            h_mask = h_mask & (offs_h < K // HI_PER)[None, :]
-        hw = tl.load(high_ptr + rows * (K // HI_PER) + offs_h[None, :], mask=h_mask, other=0)
-        q = q | (_unpack_words(hw, HI_BITS, BLOCK_N, BLOCK_K, False) << LO_BITS)
+            h_mask = h_mask & (first < K)[None, :]
+        hw = tl.load(high_ptr + rows * (K // HI_PER) + (first // HI_PER)[None, :], mask=h_mask, other=0)
+        hi = hw >> ((first % HI_PER) * HI_BITS)[None, :]
+    if LO_PER == 8:
+        c0 = _code_unit(words, 0, hi, 0, FORMAT, LO_BITS, HI_BITS, LUT0, LUT1, LUT2, LUT3)
+        c1 = _code_unit(words, 4, hi, HI_BITS, FORMAT, LO_BITS, HI_BITS, LUT0, LUT1, LUT2, LUT3)
+        c2 = _code_unit(words, 8, hi, 2 * HI_BITS, FORMAT, LO_BITS, HI_BITS, LUT0, LUT1, LUT2, LUT3)
+        c3 = _code_unit(words, 12, hi, 3 * HI_BITS, FORMAT, LO_BITS, HI_BITS, LUT0, LUT1, LUT2, LUT3)
+        c4 = _code_unit(words, 16, hi, 4 * HI_BITS, FORMAT, LO_BITS, HI_BITS, LUT0, LUT1, LUT2, LUT3)
+        c5 = _code_unit(words, 20, hi, 5 * HI_BITS, FORMAT, LO_BITS, HI_BITS, LUT0, LUT1, LUT2, LUT3)
+        c6 = _code_unit(words, 24, hi, 6 * HI_BITS, FORMAT, LO_BITS, HI_BITS, LUT0, LUT1, LUT2, LUT3)
+        c7 = _code_unit(words, 28, hi, 7 * HI_BITS, FORMAT, LO_BITS, HI_BITS, LUT0, LUT1, LUT2, LUT3)
+        u = _interleave8(c0, c1, c2, c3, c4, c5, c6, c7, BLOCK_N, BLOCK_K)
+    else:  # 8-bit codes (Q8_0), 4 a word
+        c0 = _code_unit(words, 0, hi, 0, FORMAT, LO_BITS, HI_BITS, LUT0, LUT1, LUT2, LUT3)
+        c1 = _code_unit(words, 8, hi, 0, FORMAT, LO_BITS, HI_BITS, LUT0, LUT1, LUT2, LUT3)
+        c2 = _code_unit(words, 16, hi, 0, FORMAT, LO_BITS, HI_BITS, LUT0, LUT1, LUT2, LUT3)
+        c3 = _code_unit(words, 24, hi, 0, FORMAT, LO_BITS, HI_BITS, LUT0, LUT1, LUT2, LUT3)
+        u = tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), (BLOCK_N, BLOCK_K))  # [.., b, e] = c_{e + 2b}
+    return u
 
-    # the sub-blocks' scales: one per SUB weights, gathered from the per-block fields
+
+@triton.jit
+def _tile_scales(
+    scales_ptr, d_ptr, rows, n_ok, k0, K,
+    FORMAT: tl.constexpr, BW: tl.constexpr, SUB: tl.constexpr, ND: tl.constexpr, NSC: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """fp32 (scale, bias) [BLOCK_N, BLOCK_K / SUB], one per sub-block: weight = scale * value
+    + bias (bias only where ``_has_bias``; zeros otherwise), in ggml's operation order. The
+    packed scale bytes are decoded here, once per SUB weights."""
     NSUB: tl.constexpr = BLOCK_K // SUB
     SPB: tl.constexpr = BW // SUB  # sub-blocks per block
     sb = k0 // SUB + tl.arange(0, NSUB)
@@ -403,6 +517,7 @@ def _decode_tile(
     nb = K // BW
     d_at = d_ptr + rows * (nb * ND) + blk * ND
     s_at = scales_ptr + rows * (nb * NSC) + blk * NSC
+    bias = tl.zeros((BLOCK_N, NSUB), dtype=tl.float32)
     if FORMAT == 12 or FORMAT == 13:  # Q4_K, Q5_K: 6-bit scale and min per 32, packed in 12 bytes
         lo4 = j % 4
         a = tl.load(s_at + lo4, mask=s_mask, other=0).to(tl.int32)
@@ -415,39 +530,94 @@ def _decode_tile(
         dmin = tl.load(d_at + 1, mask=s_mask, other=0.0).to(tl.float32)
         scale = d * sc.to(tl.float32)
         bias = -(dmin * mn.to(tl.float32))
-        v = q.to(tl.float32)
-        w = scale[:, :, None] * tl.reshape(v, (BLOCK_N, NSUB, SUB)) + bias[:, :, None]
     elif FORMAT == 14:  # Q6_K: int8 scale per 16
         sc = tl.load(s_at + j, mask=s_mask, other=0).to(tl.int32)
         sc = (sc ^ 0x80) - 0x80
         scale = tl.load(d_at, mask=s_mask, other=0.0).to(tl.float32) * sc.to(tl.float32)
-        w = scale[:, :, None] * tl.reshape((q - 32).to(tl.float32), (BLOCK_N, NSUB, SUB))
     elif FORMAT == 23:  # IQ4_XS: 6-bit scale per 32 (low 4 bits in scales_l, high 2 in scales_h)
         h = tl.load(s_at, mask=s_mask, other=0).to(tl.int32)
         h = h | (tl.load(s_at + 1, mask=s_mask, other=0).to(tl.int32) << 8)
         low = tl.load(s_at + 2 + j // 2, mask=s_mask, other=0).to(tl.int32)
         sc = ((low >> (4 * (j % 2))) & 15) | (((h >> (2 * j)) & 3) << 4)
         scale = tl.load(d_at, mask=s_mask, other=0.0).to(tl.float32) * (sc - 32).to(tl.float32)
-        w = scale[:, :, None] * tl.reshape(_table(q, LUT0, LUT1, LUT2, LUT3), (BLOCK_N, NSUB, SUB))
     elif FORMAT == 39:  # MXFP4: E8M0 exponent, halved (ggml_e8m0_to_fp32_half)
         e = tl.load(s_at, mask=s_mask, other=0).to(tl.int32)
         tiny = tl.full((BLOCK_N, NSUB), 0x00200000, tl.int32)
         scale = tl.where(e < 2, tiny << e, (e - 1) << 23).to(tl.float32, bitcast=True)
-        w = scale[:, :, None] * tl.reshape(_table(q, LUT0, LUT1, LUT2, LUT3), (BLOCK_N, NSUB, SUB))
     else:  # one fp16 scale (and min) per 32: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL
         scale = tl.load(d_at, mask=s_mask, other=0.0).to(tl.float32)
-        if FORMAT == 20:
-            v = _table(q, LUT0, LUT1, LUT2, LUT3)
-        elif FORMAT == 2:
-            v = (q - 8).to(tl.float32)
-        elif FORMAT == 6:
-            v = (q - 16).to(tl.float32)
-        else:
-            v = q.to(tl.float32)
-        w = scale[:, :, None] * tl.reshape(v, (BLOCK_N, NSUB, SUB))
         if ND == 2:  # Q4_1, Q5_1: + m
-            w = w + tl.load(d_at + 1, mask=s_mask, other=0.0).to(tl.float32)[:, :, None]
+            bias = tl.load(d_at + 1, mask=s_mask, other=0.0).to(tl.float32)
+    return scale, bias
+
+
+@triton.jit
+def _has_bias(FORMAT: tl.constexpr, ND: tl.constexpr):
+    """Whether the type's weights add a per-sub-block bias (Q4_K / Q5_K mins, Q4_1 / Q5_1 m)."""
+    return FORMAT == 12 or FORMAT == 13 or ND == 2
+
+
+@triton.jit
+def _decode_tile(
+    codes_ptr, high_ptr, scales_ptr, d_ptr, offs_n, n_ok, k0, K,
+    FORMAT: tl.constexpr, BW: tl.constexpr, SUB: tl.constexpr, LO_BITS: tl.constexpr, HI_BITS: tl.constexpr,
+    ND: tl.constexpr, NSC: tl.constexpr, LUT0: tl.constexpr, LUT1: tl.constexpr, LUT2: tl.constexpr,
+    LUT3: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    """fp32 [BLOCK_N, BLOCK_K]: rows offs_n, columns k0 .. k0 + BLOCK_K of the weight (zero
+    outside N x K), each exactly the reference's (scale * value, + bias where the type has
+    one). FORMAT is the GGML type id; the branches are resolved at compile time."""
+    rows = offs_n.to(tl.int64)[:, None]
+    u = _tile_units(codes_ptr, high_ptr, rows, n_ok, k0, K, FORMAT, LO_BITS, HI_BITS, LUT0, LUT1, LUT2, LUT3,
+                    BLOCK_N, BLOCK_K, EVEN_K)
+    v = _unit_value(u, FORMAT, LO_BITS + HI_BITS)
+    scale, bias = _tile_scales(scales_ptr, d_ptr, rows, n_ok, k0, K, FORMAT, BW, SUB, ND, NSC, BLOCK_N, BLOCK_K)
+    NSUB: tl.constexpr = BLOCK_K // SUB
+    w = scale[:, :, None] * tl.reshape(v, (BLOCK_N, NSUB, SUB))
+    if _has_bias(FORMAT, ND):
+        w = w + bias[:, :, None]
     return tl.reshape(w, (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def _gemv_tile(
+    acc, x_ptr, row0, M, stride_xm, codes_ptr, high_ptr, scales_ptr, d_ptr, offs_n, n_ok, k0, K,
+    FORMAT: tl.constexpr, BW: tl.constexpr, SUB: tl.constexpr, LO_BITS: tl.constexpr, HI_BITS: tl.constexpr,
+    ND: tl.constexpr, NSC: tl.constexpr, LUT0: tl.constexpr, LUT1: tl.constexpr, LUT2: tl.constexpr,
+    LUT3: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    """acc [BLOCK_M, BLOCK_N] + rows row0 .. row0 + BLOCK_M of x times the weight's K tile at
+    k0, with fp32 FMAs (decode). Per weight only the code's unit u (``_code_unit``) times x
+    is summed; per sub-block, with v = (u - 1) * 2^QB + offset and weight = s * v + b:
+    sum_k x_k w_k = s * ((sum x u - sum x) * 2^QB + offset * sum x) + b * sum x. So a weight
+    costs a shift, a lop3 and an FMA, and the scales one multiply per SUB weights. The
+    reference rounds s * v + b per weight first: the two agree to fp32 rounding (the test's
+    2e-6 of the terms' magnitudes), not bit for bit."""
+    rows = offs_n.to(tl.int64)[:, None]
+    u = _tile_units(codes_ptr, high_ptr, rows, n_ok, k0, K, FORMAT, LO_BITS, HI_BITS, LUT0, LUT1, LUT2, LUT3,
+                    BLOCK_N, BLOCK_K, EVEN_K)
+    scale, bias = _tile_scales(scales_ptr, d_ptr, rows, n_ok, k0, K, FORMAT, BW, SUB, ND, NSC, BLOCK_N, BLOCK_K)
+    NSUB: tl.constexpr = BLOCK_K // SUB
+    QB: tl.constexpr = LO_BITS + HI_BITS
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    k_ok = offs_k < K
+    for i in tl.static_range(BLOCK_M):
+        row = row0 + i
+        xi = tl.load(x_ptr + row.to(tl.int64) * stride_xm + offs_k, mask=k_ok & (row < M), other=0.0).to(tl.float32)
+        xu = tl.sum(tl.reshape(u * xi[None, :], (BLOCK_N, NSUB, SUB)), axis=2)
+        if _is_table(FORMAT):
+            t = scale * xu
+        else:
+            sx = tl.sum(tl.reshape(xi, (NSUB, SUB)), axis=1)[None, :]
+            xv = (xu - sx) * (1 << QB)
+            if _offset(FORMAT) != 0:
+                xv += _offset(FORMAT) * sx
+            t = scale * xv
+            if _has_bias(FORMAT, ND):
+                t += bias * sx
+        part = tl.sum(t, axis=1)
+        acc += tl.where(tl.arange(0, BLOCK_M)[:, None] == i, part[None, :], 0.0)
+    return acc
 
 
 @triton.jit
@@ -472,22 +642,19 @@ def _gguf_matmul_kernel(
         k0 = kt * BLOCK_K
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
-        w = _decode_tile(codes_ptr, high_ptr, scales_ptr, d_ptr, offs_n, n_ok, k0, K, FORMAT, BW, SUB,
-                         LO_BITS, HI_BITS, ND, NSC, LUT0, LUT1, LUT2, LUT3, BLOCK_N, BLOCK_K, EVEN_K)
         if USE_DOT:
+            w = _decode_tile(codes_ptr, high_ptr, scales_ptr, d_ptr, offs_n, n_ok, k0, K, FORMAT, BW, SUB,
+                             LO_BITS, HI_BITS, ND, NSC, LUT0, LUT1, LUT2, LUT3, BLOCK_N, BLOCK_K, EVEN_K)
             x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
                         other=0.0)
             if DOT_FP32:
                 acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
             else:  # fp16 or bf16 tensor cores, the weights rounded once to x's type
                 acc = tl.dot(x, tl.trans(w.to(x_ptr.dtype.element_ty)), acc)
-        else:
-            # Decode: the tile is decoded once and used by each of the BLOCK_M (<= 4) rows.
-            for i in tl.static_range(BLOCK_M):
-                row = pid_m * BLOCK_M + i
-                xi = tl.load(x_ptr + row * stride_xm + offs_k, mask=k_ok & (row < M), other=0.0).to(tl.float32)
-                part = tl.sum(w * xi[None, :], axis=1)
-                acc += tl.where(tl.arange(0, BLOCK_M)[:, None] == i, part[None, :], 0.0)
+        else:  # decode: the tile's codes are unpacked once for each of the BLOCK_M (<= 4) rows
+            acc = _gemv_tile(acc, x_ptr, pid_m * BLOCK_M, M, stride_xm, codes_ptr, high_ptr, scales_ptr, d_ptr,
+                             offs_n, n_ok, k0, K, FORMAT, BW, SUB, LO_BITS, HI_BITS, ND, NSC, LUT0, LUT1, LUT2,
+                             LUT3, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
 
     offs_out = offs_m[:, None] * stride_om + offs_n[None, :]
     out_mask = m_ok[:, None] & n_ok[None, :]
@@ -501,10 +668,15 @@ def _gguf_matmul_kernel(
 
 
 GEMV_MAX_M = 4  # decode without tensor cores up to this many rows
-SMALL_M = 16  # above GEMV_MAX_M and up to here: one 16-row dot tile, split-K
+# Above GEMV_MAX_M and up to here (a batch of decodes): one dot tile of 16..64 rows holds every
+# row, so each weight is decoded once per launch, and split-K fills the GPU. The weights are
+# decoded by (N / BLOCK_N) x SPLIT_K programs; a prefill-style grid of M / BLOCK_M x N / BLOCK_N
+# tiles without split-K left a 4096-row layer at 32 programs for 132 SMs (H200: 823 tok/s at
+# batch 64 against 14504 for the AWQ path).
+SMALL_M = 64
 MAX_SPLIT_K = 8
 
-# Decode reads each block once: a [BLOCK_N, BLOCK_K] tile is 64-128 contiguous bytes per row of
+# Decode reads each block once: a [BLOCK_N, BLOCK_K] tile is 128-256 contiguous bytes per row of
 # 4-bit codes; split-K gives a 4096-row layer several programs per SM.
 class _Capped(Config):
     """A Config with an explicit register cap. Without one ptxas picks its own target for some
@@ -531,18 +703,39 @@ def launch_options(config: Config) -> dict[str, int]:
     return opts
 
 
+# GEMV: 64 weights a thread per K step (the loads of one step are what a thread has in flight;
+# the scale decode is one sub-block a thread). No software pipelining: the loop has no dot.
 _GEMV_CONFIGS = [
-    _Capped({"BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 4, "GROUP_M": 1}, 4, 3),
-    _Capped({"BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 8, "GROUP_M": 1}, 4, 4),
-    _Capped({"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "GROUP_M": 1}, 8, 3),
-    _Capped({"BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 4, "GROUP_M": 1}, 8, 3),
+    _Capped({"BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 4, "GROUP_M": 1}, 4, 1),
+    _Capped({"BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 8, "GROUP_M": 1}, 4, 1),
+    _Capped({"BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 4, "GROUP_M": 1}, 8, 1),
+    _Capped({"BLOCK_N": 16, "BLOCK_K": 512, "SPLIT_K": 4, "GROUP_M": 1}, 4, 1),
 ]
-# The dequantized fp32 tile sits in registers beside the accumulator: 8 warps for the wider
-# tiles keep them under 255 registers a thread without spilling (bench/aot_check.py).
+# One row fits in 96 registers without spilling (every type but the tables: aot_check); left
+# to itself ptxas takes up to the 160 cap for its schedule (Q4_K with the inline-asm unpack:
+# 159), which leaves 3 programs of 4 warps an SM instead of 5, and a memory-bound GEMV needs
+# its loads in flight.
+GEMV_ONE_ROW_REGS = 96
+
+
+def gemv_config(config: Config, block_m: int, layout: GGUFLayout) -> Config:
+    """The GEMV launch config for ``block_m`` rows of ``layout``'s type: ``config`` with the
+    register cap for that case (``GEMV_ONE_ROW_REGS`` for one row)."""
+    if block_m == 1 and layout.name not in _LUT_TYPES:  # the table types spill at 96
+        return _Capped(dict(config.kwargs), config.num_warps, config.num_stages, GEMV_ONE_ROW_REGS)
+    return config
+
+
+# Batched decode: BLOCK_M (16..64, all of M) is set per call, as the GEMV's rows are. The
+# dequantized fp32 tile sits in registers beside the accumulator: 8 warps for the wider tiles
+# keep them under 255 registers a thread without spilling (bench/aot_check.py).
+# Register caps: left to itself ptxas held Q8_0's 64-row tile to 128 on sm80/sm89 and spilled;
+# the 4-warp tile takes up to 255 there (the table types and Q5_1 spilled at 168).
 _SMALL_CONFIGS = [
-    Config({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 4, "GROUP_M": 1}, 4, 3),
-    Config({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "GROUP_M": 1}, 8, 3),
-    Config({"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 4, "GROUP_M": 1}, 8, 3),
+    _Capped({"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "GROUP_M": 1}, 8, 2, 168),
+    _Capped({"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 8, "GROUP_M": 1}, 8, 2, 168),
+    _Capped({"BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 4, "GROUP_M": 1}, 8, 2, 168),
+    _Capped({"BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 8, "GROUP_M": 1}, 4, 2, 255),
 ]
 _GEMM_CONFIGS = [
     Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 1, "GROUP_M": 8}, 8, 3),
@@ -553,6 +746,7 @@ _GEMM_CONFIGS = [
 # The interpreter's defaults: small tiles that still split K, span two K-quant sub-block
 # boundaries per tile and (K = 512) two blocks per row.
 _INTERPRET_GEMV = Config({"BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 2, "GROUP_M": 1}, 4, 1)
+_INTERPRET_SMALL = Config({"BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 2, "GROUP_M": 1}, 4, 1)
 _INTERPRET_GEMM = Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 1, "GROUP_M": 2}, 4, 1)
 
 _tuned: dict[tuple[str, bool], object] = {}
@@ -562,20 +756,29 @@ def _path(m: int) -> str:
     return "gemv" if m <= GEMV_MAX_M else "small" if m <= SMALL_M else "gemm"
 
 
-def _autotuned(x: torch.Tensor, path: str) -> object:
-    """One autotuner per path (decode GEMV, small-batch dot, prefill GEMM) and Hopper or not."""
-    key = (path, capability(x)[0] >= 9)
+def small_block_m(m: int) -> int:
+    """BLOCK_M of the GEMV and batched-decode launches: all ``m`` rows (a power of 2; at
+    least 16 for a dot tile)."""
+    return next_power_of_2(m) if m <= GEMV_MAX_M else max(16, next_power_of_2(m))
+
+
+def _autotuned(x: torch.Tensor, path: str, block_m: int, layout: GGUFLayout) -> object:
+    """One autotuner per path (decode GEMV, small-batch dot, prefill GEMM), Hopper or not and
+    (GEMV) register cap."""
+    table = {"gemv": _GEMV_CONFIGS, "small": _SMALL_CONFIGS, "gemm": _GEMM_CONFIGS}[path]
+    if path == "gemv":
+        table = [gemv_config(c, block_m, layout) for c in table]
+    key = (path, capability(x)[0] >= 9, launch_options(table[0]).get("maxnreg"))
     if key not in _tuned:
-        table = {"gemv": _GEMV_CONFIGS, "small": _SMALL_CONFIGS, "gemm": _GEMM_CONFIGS}[path]
         _tuned[key] = make_autotuner(_gguf_matmul_kernel, configs_for(x, table),
-                                     key=["M_BUCKET", "N", "K", "FORMAT", "BLOCK_M" if path == "gemv" else "DOT_FP32"])
+                                     key=["M_BUCKET", "N", "K", "FORMAT", "DOT_FP32" if path == "gemm" else "BLOCK_M"])
     return _tuned[key]
 
 
 def gguf_linear_triton(x: torch.Tensor, p: GGUFPacked, *, config: Config | None = None) -> torch.Tensor:
     """Triton implementation of ``gguf_linear_reference``. ``config`` pins the launch (tests; for
-    the GEMV path without BLOCK_M); without it a GPU autotunes once per shape bucket and the
-    interpreter uses small fixed tiles."""
+    the GEMV and batched-decode paths without BLOCK_M, which is all of M); without it a GPU
+    autotunes once per shape bucket and the interpreter uses small fixed tiles."""
     layout = p.layout
     k, n = p.in_features, p.out_features
     assert x.shape[-1] == k, f"x has {x.shape[-1]} features, the {p.fmt} weight {k}"
@@ -592,10 +795,10 @@ def gguf_linear_triton(x: torch.Tensor, p: GGUFPacked, *, config: Config | None 
         HI_BITS=layout.hi_bits, ND=layout.nd, NSC=layout.nsc, **lut_words(p.fmt), USE_DOT=path != "gemv",
         DOT_FP32=dot_fp32(x),
     )
-    if path == "gemv":
-        consts["BLOCK_M"] = next_power_of_2(m)
+    if path != "gemm":  # every row in one tile
+        consts["BLOCK_M"] = small_block_m(m)
     if config is None and not gpu_tiles(x):
-        config = _INTERPRET_GEMV if path == "gemv" else _INTERPRET_GEMM
+        config = {"gemv": _INTERPRET_GEMV, "small": _INTERPRET_SMALL, "gemm": _INTERPRET_GEMM}[path]
     max_split = config.kwargs["SPLIT_K"] if config is not None else (1 if path == "gemm" else MAX_SPLIT_K)
     if max_split > 1:  # split-K scratch: fp32 partial tiles and per-tile arrival counters
         ws = torch.empty((max_split * m * n,), dtype=torch.float32, device=x.device)
@@ -614,38 +817,112 @@ def gguf_linear_triton(x: torch.Tensor, p: GGUFPacked, *, config: Config | None 
     if config is not None:
         kw = config.kwargs
         assert kw["BLOCK_K"] % layout.sub_block == 0, f"BLOCK_K {kw['BLOCK_K']} splits a {p.fmt} sub-block"
+        if path == "gemv":
+            config = gemv_config(config, int(consts["BLOCK_M"]), layout)
         _gguf_matmul_kernel[grid](*args, **consts, **kw, EVEN_K=k % kw["BLOCK_K"] == 0, **launch_options(config))
     else:
-        _autotuned(x, path)[grid](*args, **consts)  # type: ignore[index]
+        _autotuned(x, path, int(consts.get("BLOCK_M", 0)), layout)[grid](*args, **consts)  # type: ignore[index]
     return out.view(*x.shape[:-1], n)
 
 
-# The torch candidate dequantizes the whole matrix for each call. A decode-size batch reads
-# the blocks once either way, so it never pays there; and on a vocabulary-sized head (an 8B's
-# 128k x 4096) its temporary would be ~6 GB that the planner does not reserve (it reserves
-# the largest decoder matrix's, see hardware/planner.py _reserve), so above that size the
-# kernel runs without a timing.
-TORCH_CANDIDATE_MIN_ROWS = 16
+@triton.jit
+def _gguf_dequant_kernel(
+    codes_ptr, high_ptr, scales_ptr, d_ptr, out_ptr, N, K,
+    FORMAT: tl.constexpr, BW: tl.constexpr, SUB: tl.constexpr, LO_BITS: tl.constexpr, HI_BITS: tl.constexpr,
+    ND: tl.constexpr, NSC: tl.constexpr, LUT0: tl.constexpr, LUT1: tl.constexpr, LUT2: tl.constexpr,
+    LUT3: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    """out [N, K] (row-major, out's dtype) = the weights, one [BLOCK_N, BLOCK_K] tile a program:
+    ``_decode_tile``, so fp32 output equals ``dequantize_packed`` bit for bit."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    k0 = tl.program_id(1) * BLOCK_K
+    w = _decode_tile(codes_ptr, high_ptr, scales_ptr, d_ptr, offs_n, n_ok, k0, K, FORMAT, BW, SUB, LO_BITS,
+                     HI_BITS, ND, NSC, LUT0, LUT1, LUT2, LUT3, BLOCK_N, BLOCK_K, EVEN_K)
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :], w.to(out_ptr.dtype.element_ty),
+             mask=n_ok[:, None] & (offs_k < K)[None, :])
+
+
+_DEQUANT = Config({"BLOCK_N": 32, "BLOCK_K": 256}, 4, 1)
+_INTERPRET_DEQUANT = Config({"BLOCK_N": 16, "BLOCK_K": 64}, 4, 1)
+
+
+def dequantize_triton(p: GGUFPacked, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[N, K] in ``dtype``: ``dequantize_packed`` by one Triton launch (fp32: bit for bit the
+    same; half precision: those weights rounded once). For prefill's dequantize-then-cuBLAS."""
+    layout = p.layout
+    n, k = p.out_features, p.in_features
+    out = torch.empty((n, k), dtype=dtype, device=p.device)
+    if n == 0 or k == 0:
+        return out
+    config = _DEQUANT if gpu_tiles(p.codes) else _INTERPRET_DEQUANT
+    kw = config.kwargs
+    high = p.high if p.high.numel() else p.codes
+    scales = p.scales if p.scales.numel() else p.codes
+    d = p.d if p.d.numel() else p.codes
+    grid = (triton.cdiv(n, kw["BLOCK_N"]), triton.cdiv(k, kw["BLOCK_K"]))
+    _gguf_dequant_kernel[grid](
+        p.codes, high, scales, d, out, n, k, FORMAT=layout.type_id, BW=layout.block_weights, SUB=layout.sub_block,
+        LO_BITS=layout.lo_bits, HI_BITS=layout.hi_bits, ND=layout.nd, NSC=layout.nsc, **lut_words(p.fmt), **kw,
+        EVEN_K=k % kw["BLOCK_K"] == 0, **launch_options(config))
+    return out
+
+
+def row_slice(p: GGUFPacked, lo: int, hi: int) -> GGUFPacked:
+    """Rows lo .. hi of the weight: views, no copy."""
+    rows = slice(lo, hi)
+    return GGUFPacked(p.fmt, len(range(lo, min(hi, p.out_features))), p.in_features, p.codes[rows], p.high[rows],
+                      p.scales[rows], p.d[rows], p.lut)
+
+
+# Prefill's dequantize-then-cuBLAS writes the weights in x's dtype to a scratch of at most this
+# many weights at a time (rows in chunks): 128 MB in bf16, below what the planner reserves for
+# the GEMM choice (12 bytes a weight of the largest decoder matrix: hardware/planner.py
+# _reserve), and a vocabulary-sized head (an 8B's 128k x 4096) never takes this path at all.
+DEQUANT_CHUNK_WEIGHTS = 64 * 2**20
+# The reference dequantizes in fp32 torch ops (12 bytes a weight of temporaries): timed only
+# up to this size, as the planner's reserve allows.
 TORCH_CANDIDATE_MAX_WEIGHTS = 64 * 2**20
+
+
+def gguf_linear_dequant_mm(x: torch.Tensor, p: GGUFPacked) -> torch.Tensor:
+    """x @ W.T by dequantizing W to x's dtype (``dequantize_triton``, ``DEQUANT_CHUNK_WEIGHTS``
+    at a time) and one dense matmul (cuBLAS) per chunk: for prefill-sized M, where the
+    tensor cores' work outweighs decoding the blocks once."""
+    k, n = p.in_features, p.out_features
+    x2 = x.reshape(-1, k)
+    step = max(1, DEQUANT_CHUNK_WEIGHTS // max(1, k))
+    if step >= n:
+        return (x2 @ dequantize_triton(p, x.dtype).t()).view(*x.shape[:-1], n)
+    out = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
+    for n0 in range(0, n, step):
+        out[:, n0:n0 + step] = x2 @ dequantize_triton(row_slice(p, n0, n0 + step), x.dtype).t()
+    return out.view(*x.shape[:-1], n)
 
 
 def gguf_linear(x: torch.Tensor, p: GGUFPacked) -> torch.Tensor:
     """y = x @ W.T for W in GGUF blocks; x: [..., K] fp16/bf16/fp32 -> [..., N] in x.dtype.
 
-    On CUDA (and in a rehearsal) the Triton kernel runs where it measured faster than
-    dequantize-then-matmul for this shape (once, on first use); elsewhere the torch reference.
+    On CUDA (and in a rehearsal): up to ``SMALL_M`` rows (decode, batched decode) the Triton
+    kernel, which reads the blocks once; above, the fastest of the kernel's prefill GEMM,
+    dequantize-then-cuBLAS (``gguf_linear_dequant_mm``) and the torch reference, measured
+    once per shape (``gemm_backend_choice``); elsewhere the torch reference.
     """
     if use_triton(x):
         k, n = p.in_features, p.out_features
         m = x.numel() // k if k else 0
-        if m <= TORCH_CANDIDATE_MIN_ROWS or n * k > TORCH_CANDIDATE_MAX_WEIGHTS:
+        if m <= SMALL_M:
             return gguf_linear_triton(x, p)
         key = ("gguf", p.fmt, m_bucket(m), n, k, x.dtype, x.device.index)
-        choice = gemm_backend_choice(
-            key, {"triton": lambda: gguf_linear_triton(x, p), "torch": lambda: gguf_linear_reference(x, p)}
-        )
+        candidates = {"triton": lambda: gguf_linear_triton(x, p), "dequant": lambda: gguf_linear_dequant_mm(x, p)}
+        if n * k <= TORCH_CANDIDATE_MAX_WEIGHTS:
+            candidates["torch"] = lambda: gguf_linear_reference(x, p)
+        choice = gemm_backend_choice(key, candidates)
         if choice == "triton":
             return gguf_linear_triton(x, p)
+        if choice == "dequant":
+            return gguf_linear_dequant_mm(x, p)
     return gguf_linear_reference(x, p)
 
 
@@ -686,22 +963,19 @@ def _gguf_grouped_kernel(
         k0 = kt * BLOCK_K
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
-        w = _decode_tile(codes_ptr, high_ptr, scales_ptr, d_ptr, offs_n, n_ok, k0, K, FORMAT, BW, SUB,
-                         LO_BITS, HI_BITS, ND, NSC, LUT0, LUT1, LUT2, LUT3, BLOCK_N, BLOCK_K, EVEN_K)
         if USE_DOT:
+            w = _decode_tile(codes_ptr, high_ptr, scales_ptr, d_ptr, offs_n, n_ok, k0, K, FORMAT, BW, SUB,
+                             LO_BITS, HI_BITS, ND, NSC, LUT0, LUT1, LUT2, LUT3, BLOCK_N, BLOCK_K, EVEN_K)
             x = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :],
                         mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             if DOT_FP32:
                 acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
             else:
                 acc = tl.dot(x, tl.trans(w.to(x_ptr.dtype.element_ty)), acc)
-        else:  # a few rows per expert (decode): fp32 FMAs on the tile decoded once
-            for i in tl.static_range(BLOCK_M):
-                row = row0 + i
-                xi = tl.load(x_ptr + row.to(tl.int64) * stride_xm + offs_k, mask=k_ok & (row < row_end),
-                             other=0.0).to(tl.float32)
-                part = tl.sum(w * xi[None, :], axis=1)
-                acc += tl.where(tl.arange(0, BLOCK_M)[:, None] == i, part[None, :], 0.0)
+        else:  # a few rows per expert (decode): gguf_linear's GEMV tile, rows up to the expert's end
+            acc = _gemv_tile(acc, x_ptr, row0, row_end, stride_xm, codes_ptr, high_ptr, scales_ptr, d_ptr,
+                             offs_n, n_ok, k0, K, FORMAT, BW, SUB, LO_BITS, HI_BITS, ND, NSC, LUT0, LUT1, LUT2,
+                             LUT3, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
     offs_out = offs_m.to(tl.int64)[:, None] * stride_om + offs_nl[None, :]
     tl.store(out_ptr + offs_out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -710,6 +984,7 @@ def _gguf_grouped_kernel(
 # The FMA path is gguf_linear's GEMV tile (its register cap too); the dot tiles its small-M and
 # prefill ones without split-K.
 GROUPED_GEMV_ROWS = 4  # total routed rows per expert on average up to here: the FMA path
+GROUPED_SMALL_ROWS = 32  # and up to here the 16-row dot tile
 _GROUPED_GEMV = _Capped({"BLOCK_M": 4, "BLOCK_N": 32, "BLOCK_K": 128}, 4, 3)
 _GROUPED_SMALL = Config({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64}, 4, 3)
 _GROUPED_GEMM = Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}, 4, 3)
@@ -723,7 +998,7 @@ def grouped_path(rows: int, experts: int) -> str:
     the rows an expert gets if they spread over as many experts as they can (the host does
     not read the routing)."""
     per_expert = rows / max(1, min(rows, experts))
-    return "gemv" if per_expert <= GROUPED_GEMV_ROWS else "small" if per_expert <= 2 * SMALL_M else "gemm"
+    return "gemv" if per_expert <= GROUPED_GEMV_ROWS else "small" if per_expert <= GROUPED_SMALL_ROWS else "gemm"
 
 
 def expert_slice(p: GGUFPacked, experts: int, e: int) -> GGUFPacked:

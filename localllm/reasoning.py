@@ -343,5 +343,12 @@ def format_for(tokenizer: Tokenizer, architecture: str | None = None, override: 
 
 
 def prompt_tail(tokenizer: Tokenizer, prompt_ids: Sequence[int]) -> str:
-    """The end of a prompt as text with its special tokens, for ``ReasoningFormat.parser``."""
-    return tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+    """The end of a prompt as text with its special tokens, for ``ReasoningFormat.parser``:
+    its last ``PROMPT_TAIL_TOKENS``, reaching back to the last harmony ``<|start|>`` where the
+    vocabulary has one, since a continued reply's prompt can end deep inside an open message
+    (a long analysis) and the parser must read that message's header to know its channel."""
+    begin = max(0, len(prompt_ids) - PROMPT_TAIL_TOKENS)
+    start_id = tokenizer.special_token_id(START)
+    if start_id is not None and start_id not in prompt_ids[begin:]:
+        begin = next((i for i in range(begin - 1, -1, -1) if prompt_ids[i] == start_id), begin)
+    return tokenizer.decode(prompt_ids[begin:], skip_special_tokens=False)

@@ -215,11 +215,15 @@ class Tokenizer:
 
     def is_special_token(self, text: str) -> bool:
         """Whether ``text`` is one token that decoding with ``skip_special_tokens`` drops."""
+        return self.special_token_id(text) is not None
+
+    def special_token_id(self, text: str) -> int | None:
+        """The id of ``text`` where it is one special token (``is_special_token``), else None."""
         tid = self.backend.token_to_id(text)
         if tid is None:
-            return False
+            return None
         added = self.backend.get_added_tokens_decoder().get(tid)
-        return added is not None and added.special
+        return tid if added is not None and added.special else None
 
     @property
     def speaks_harmony(self) -> bool:
@@ -229,7 +233,10 @@ class Tokenizer:
     @property
     def supports_tools(self) -> bool:
         """Whether the chat template reads a ``tools`` variable, which is how HF hands it the
-        tool list; a template without one cannot tell the model about tools."""
+        tool list; a template without one cannot tell the model about tools. Harmony (gpt-oss)
+        conversations are rendered with their tools by localllm/harmony.py, template or not."""
+        if self.speaks_harmony:
+            return True
         from jinja2 import TemplateSyntaxError, meta
 
         try:
@@ -270,9 +277,9 @@ class Tokenizer:
                     check_text(value, f"a chat message's {key}")
         messages = [{**m, "thinking": m["reasoning_content"]}
                     if isinstance(m.get("reasoning_content"), str) and "thinking" not in m else m for m in messages]
-        if self.speaks_harmony and harmony.renders(messages, tools):
+        if self.speaks_harmony and harmony.renders(messages):
             # as openai-harmony renders it (vLLM's prompt), not the shipped template (localllm/harmony.py)
-            return harmony.render(messages, add_generation_prompt, extra)
+            return harmony.render(messages, add_generation_prompt, extra, tools=tools)
         rendered = self._render(messages, add_generation_prompt, tools, extra)
         last = next((m["content"].strip() for m in reversed(messages)
                      if m["role"] == "user" and isinstance(m["content"], str) and m["content"].strip()), None)

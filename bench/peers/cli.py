@@ -27,7 +27,9 @@ Measures (``--only``, default all):
 
 Servers: ``llama-server -np 16 -c 32768 -t T`` and ``localllm serve --max-num-seqs 16``, each
 started fresh for every trial and measured once ``/health`` answers 200 (llama-server answers
-503 while it loads), after one short warm-up request. One client for both: the official
+503 while it loads), after one short warm-up request and, ours, once ``/metrics`` says its
+compiled decode step is in (``localllm:decode_graphs_pending 0``: a server loads its saved
+graphs after its first step and answers eagerly until then). One client for both: the official
 ``openai`` package, ``stream=True``, ``temperature=0`` and ``ignore_eos`` so both write the same
 number of tokens (checked against ``usage``). TTFT is taken at the first chunk that carries
 content: both servers send a role-only chunk first, as OpenAI does.

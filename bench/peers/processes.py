@@ -148,6 +148,33 @@ def _optimizing(health: Any) -> bool:
         return False
 
 
+def _graphs_pending(metrics_text: str) -> bool:
+    """Whether our ``/metrics`` says the compiled decode step is still loaded or built
+    (``localllm:decode_graphs_pending 1``); False where the gauge is missing (llama-server)."""
+    for line in metrics_text.splitlines():
+        if line.startswith("localllm:decode_graphs_pending"):
+            return line.rsplit(" ", 1)[-1].strip() not in ("0", "0.0")
+    return False
+
+
+async def wait_decode_graphs(base: str, timeout_s: float) -> float:
+    """Waits until our server decodes through its compiled graphs; returns the seconds waited.
+    A server loads its saved graphs (or builds missing ones) on a background thread after its
+    first step, seconds to minutes on a loaded machine, answering eagerly meanwhile: a trial
+    measured then is the eager path (half the speed), not the steady state."""
+    import httpx
+
+    t0 = time.monotonic()
+    async with httpx.AsyncClient(timeout=10.0) as http:
+        while True:
+            r = await http.get(f"{base}/metrics")
+            if r.status_code != 200 or not _graphs_pending(r.text):
+                return time.monotonic() - t0
+            if time.monotonic() - t0 > timeout_s:
+                raise PeerError(f"localllm serve still loaded its decode graphs after {timeout_s:.0f} s")
+            await asyncio.sleep(0.2)
+
+
 class Server:
     """One server process for one trial: started, ready once ``/health`` answers 200 (not
     the 503 llama-server sends while it loads), stopped at exit. Output goes to a log file
@@ -159,6 +186,7 @@ class Server:
         self.log = tempfile.NamedTemporaryFile(prefix=f"peers-{name}-", suffix=".log", delete=False)
         self.proc: subprocess.Popen[bytes] | None = None
         self.uncompiled = False  # set at exit: the log says the decode step ran eager
+        self.recompiled = False  # set at exit: the log says a saved decode graph was rebuilt
 
     def _tail(self) -> str:
         lines = Path(self.log.name).read_text(errors="replace").strip().splitlines()
@@ -196,8 +224,11 @@ class Server:
                 self.proc.wait()
         self.log.close()
         # a decode step that could not be compiled runs eager: its figures are not the steady state
-        self.uncompiled = any("decoding without it" in line for line in
-                              Path(self.log.name).read_text(errors="replace").splitlines())
+        lines = Path(self.log.name).read_text(errors="replace").splitlines()
+        self.uncompiled = any("decoding without it" in line for line in lines)
+        # a saved graph refused (another torch thread count, changed code): rebuilt in the
+        # background before the trial was measured (``wait_decode_graphs``); worth a note
+        self.recompiled = any("compiling it again" in line for line in lines)
         if exc and exc[0] is None:
             Path(self.log.name).unlink(missing_ok=True)  # keep the log of a failed trial
 

@@ -21,7 +21,7 @@ from .client import CHAT_SAMPLING, exact_ids, load_tokenizer, prompt_of, server_
     server_sequential, server_spec, stream_chat
 from .environment import OPENMP_VARS, USER_OPENMP, PeerError, llama_cpp_env, machine
 from .processes import DECODE_PROMPT, OurEngine, Server, free_port, llama_bench_cmd, llama_cpp_python_available, \
-    localllm_cmd, run_llama_bench, run_llama_cpp_python
+    localllm_cmd, run_llama_bench, run_llama_cpp_python, wait_decode_graphs
 from .report import Row
 
 if TYPE_CHECKING:
@@ -193,6 +193,9 @@ class Bench:
                 value = await self._measure_server(measure, server.base, nonce, prefix_messages, side)
             if server.uncompiled:
                 self.skip(f"{measure} trial {trial + 1}: {side}'s decode step could not be compiled (eager)")
+            if server.recompiled:
+                self.skip(f"{measure} trial {trial + 1}: {side} rebuilt a saved decode graph (its guards refused it: "
+                          "another thread count or changed code) before it was measured")
             value["side"] = side
             self._record(measure, side, value)
 
@@ -204,6 +207,10 @@ class Bench:
         async with AsyncOpenAI(base_url=f"{base}/v1", api_key="peers", max_retries=0, timeout=1800.0) as client:
             model = (await client.models.list()).data[0].id
             await stream_chat(client, model, [{"role": "user", "content": f"[{nonce}] hi"}], 4)  # warm-up
+            if side != "llama.cpp":  # the steady state: the saved decode graphs loaded (after a first step)
+                waited = await wait_decode_graphs(base, o.ready_timeout_s)
+                if waited > 1.0:
+                    o.say(f"{measure}: {side} loaded its decode graphs {waited:.1f} s after the warm-up")
             if measure == "seq8":
                 return await server_sequential(client, model, 8, o.tokens, nonce)
             if measure == "sampled":

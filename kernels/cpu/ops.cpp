@@ -226,6 +226,47 @@ at::Tensor gguf_linear_grouped_op(const at::Tensor& x, const at::TensorList pack
   return y;
 }
 
+// A GGUF mixture-of-experts block (gguf/experts.h's moe_experts): x [T, H] fp32, weights [T, k]
+// fp32, ids [T, k] int64; w13 gate and up fused, or gate alone with up in w3 (empty: fused);
+// w2 down; b13 [E, 2I], b2 [E, H] fp32 or none -> y [T, H].
+at::Tensor gguf_moe_experts_op(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids,
+                               const at::TensorList w13, int64_t w13_type, const at::TensorList w3, int64_t w3_type,
+                               const at::TensorList w2, int64_t w2_type, const std::optional<at::Tensor>& b13,
+                               const std::optional<at::Tensor>& b2, double limit, double alpha, int64_t levels) {
+  TORCH_CHECK(levels == 1 || levels == 2, "levels must be 1 or 2");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be fp32 [T, H]");
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == x.size(0) && ids.scalar_type() == at::kLong, "ids must be int64 [T, k]");
+  TORCH_CHECK(weights.sizes() == ids.sizes() && weights.scalar_type() == at::kFloat, "weights must be fp32 [T, k]");
+  int64_t N13 = 0, K13 = 0, N2 = 0, K2 = 0, N3 = 0, K3 = 0;
+  const gguf::Projection p13{packed_view(w13, w13_type, N13, K13), w13_type};
+  const gguf::Projection p2{packed_view(w2, w2_type, N2, K2), w2_type};
+  const int64_t H = x.size(1), I = K2;
+  TORCH_CHECK(K13 == H && N2 % H == 0, "the experts' packed weights do not match x");
+  const int64_t E = N2 / H;
+  gguf::Projection p3{};
+  if (!w3.empty()) {
+    p3 = {packed_view(w3, w3_type, N3, K3), w3_type};
+    TORCH_CHECK(N13 == E * I && N3 == E * I && K3 == H, "gate and up do not match down");
+  } else {
+    TORCH_CHECK(N13 == E * 2 * I, "gate_up does not match down");
+  }
+  const auto check_bias = [&](const std::optional<at::Tensor>& b, int64_t n) -> const float* {
+    if (!b.has_value()) return nullptr;
+    TORCH_CHECK(b->scalar_type() == at::kFloat && b->is_contiguous() && b->numel() == E * n, "an expert bias must be fp32 [E, ", n, "]");
+    return b->data_ptr<float>();
+  };
+  const float* b13p = check_bias(b13, 2 * I);
+  const float* b2p = check_bias(b2, H);
+  const auto xc = x.contiguous();
+  const auto wc = weights.contiguous();
+  const auto ic = ids.contiguous();
+  auto y = empty({x.size(0), H}, at::kFloat);
+  gguf::moe_experts(xc.data_ptr<float>(), x.size(0), H, wc.data_ptr<float>(), ic.data_ptr<int64_t>(), ids.size(1), E, I,
+                    p13, w3.empty() ? nullptr : &p3, p2, b13p, b2p, static_cast<float>(limit), static_cast<float>(alpha),
+                    levels, y.data_ptr<float>());
+  return y;
+}
+
 at::Tensor gguf_dequantize_op(const at::TensorList packed, int64_t type, at::ScalarType dtype) {
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dequantize to float32 or bfloat16");
   int64_t N = 0, K = 0;
@@ -255,6 +296,8 @@ TORCH_LIBRARY(localllm_cpu, m) {
   m.def("gguf_linear(Tensor x, Tensor[] packed, int type, int levels) -> Tensor");
   m.def("gguf_dequantize(Tensor[] packed, int type, ScalarType dtype) -> Tensor");
   m.def("gguf_linear_grouped(Tensor x, Tensor[] packed, int type, int levels, Tensor offsets) -> Tensor");
+  m.def("gguf_moe_experts(Tensor x, Tensor weights, Tensor ids, Tensor[] w13, int w13_type, Tensor[] w3, int w3_type, "
+        "Tensor[] w2, int w2_type, Tensor? b13, Tensor? b2, float limit, float alpha, int levels) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(localllm_cpu, CPU, m) {
@@ -268,4 +311,5 @@ TORCH_LIBRARY_IMPL(localllm_cpu, CPU, m) {
   m.impl("gguf_linear", &localllm_cpu::gguf_linear_op);
   m.impl("gguf_dequantize", &localllm_cpu::gguf_dequantize_op);
   m.impl("gguf_linear_grouped", &localllm_cpu::gguf_linear_grouped_op);
+  m.impl("gguf_moe_experts", &localllm_cpu::gguf_moe_experts_op);
 }

@@ -95,11 +95,14 @@ class AsyncEngine:
 
     def stats(self) -> EngineStats:
         """A snapshot taken when the engine last went idle, or at most ``STATS_EVERY_S`` ago
-        while it steps, with whether a background compile still runs as of now (it ends while
-        the engine idles); safe to read from any thread."""
+        while it steps, with whether a background compile or graph load still runs as of now
+        (it ends while the engine idles); safe to read from any thread."""
         stats = self._stats
-        compiling = self.engine.runner.compiling
-        return stats if stats.compiling == compiling else dataclasses.replace(stats, compiling=compiling)
+        runner = self.engine.runner
+        compiling, preparing = runner.compiling, runner.preparing
+        if stats.compiling == compiling and stats.preparing == preparing:
+            return stats
+        return dataclasses.replace(stats, compiling=compiling, preparing=preparing)
 
     async def generate(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None

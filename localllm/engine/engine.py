@@ -98,6 +98,8 @@ class EngineStats:
     prompt_tokens: int
     max_batch_size_seen: int
     compiling: bool = False  # the decode step is being optimized in the background (eager meanwhile)
+    # the compiled decode step is not in use yet: being loaded from disk or built (eager meanwhile)
+    preparing: bool = False
     # speculative decoding (vLLM's counters): verify steps, tokens proposed in them, kept
     spec_method: str | None = None  # None: off
     spec_num_drafts: int = 0
@@ -493,6 +495,7 @@ class LLMEngine:
             prompt_tokens=self._prompt_tokens,
             max_batch_size_seen=self._max_batch,
             compiling=self.runner.compiling,
+            preparing=self.runner.preparing,
             spec_method=self.speculative.method if self.speculative is not None else None,
             spec_num_drafts=self._spec_counts[0],
             spec_num_draft_tokens=self._spec_counts[1],

@@ -255,8 +255,8 @@ class ModelRunner:
                 self._switch()
             if self._decode_gives_logits:
                 fn = self._unguarded[min(input_ids.shape[0], 2)]
-                return fn(self.model, self.model.cos_sin, input_ids, positions, meta.slot_mapping,
-                          meta.query_start_loc, meta.seq_lens, meta.block_tables)
+                return _refined(fn(self.model, self.model.cos_sin, input_ids, positions, meta.slot_mapping,
+                                   meta.query_start_loc, meta.seq_lens, meta.block_tables))
             return self.model.compute_logits(self.model(input_ids, positions, meta))
 
     def _init_static_buffers(self, sizes: list[int]) -> None:
@@ -297,7 +297,7 @@ class ModelRunner:
         return self.model(ids, pos, self._bucket_meta(b))
 
     def _run_bucket_compiled(self, b: int) -> torch.Tensor:
-        return self._unguarded[min(b, 2)](self.model, self.model.cos_sin, *self._bucket_args[b])
+        return _refined(self._unguarded[min(b, 2)](self.model, self.model.cos_sin, *self._bucket_args[b]))
 
     def _compile_decode(self, progress: Callable[[str, int, int], None] | None, background: bool) -> None:
         """The decode step compiled for batch 1 and for any larger batch (one graph whose batch
@@ -510,9 +510,11 @@ class ModelRunner:
         interface (``_kernel_interface``: not their bodies), the model's structure and every
         tensor the graph reads (names, shapes, dtypes), the KV pool's block shape and dtype. Not the sizes ``_mark_dynamic`` makes dynamic (the
         pool's block count, max_model_len, the batch buckets). The source of the traced code is
-        checked at load."""
+        checked at load. The thread count too: Dynamo guards it, so one key for two counts made a
+        1-thread run and a 2-thread server overwrite each other's graph and recompile each start."""
         h = hashlib.sha256()
-        for part in ("dynamic-sizes-3", cpu_ops.cpu_signature(), torch.__version__, sys.version, str(cpp_wrapper),
+        for part in ("dynamic-sizes-4", f"threads={torch.get_num_threads()}", cpu_ops.cpu_signature(),
+                     torch.__version__, sys.version, str(cpp_wrapper),
                      _kernel_interface(), type(self.model).__qualname__, repr(self.model.config)):
             h.update(part.encode() + b"\0")
         for name, t in self.model.state_dict(keep_vars=True).items():
@@ -693,13 +695,22 @@ def _decode_logits(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
 ) -> torch.Tensor:
-    """One decode step, every row a one-token sequence, through to the logits: the function
+    """One decode step, every row a one-token sequence, through to the logits (as
+    ``logits_parts``: the caller refines them, ``_refined``): the function
     torch.compile traces on CPU (the metadata is rebuilt inside, so no Python object is a
     graph input). The rotary table is an input, not read from the model's buffer: Dynamo
     keeps a module buffer's shape static, and its length is max_model_len, which must stay a
     dynamic size (``ModelRunner._mark_dynamic``)."""
     meta = AttentionMetadata(slots, query_start_loc, seq_lens, block_tables, input_ids.shape[0])
-    return model.compute_logits(model.model(input_ids, positions, cos_sin, meta))
+    return model.logits_parts(model.model(input_ids, positions, cos_sin, meta))
+
+
+def _refined(parts: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]) -> torch.Tensor:
+    """A compiled step's logits with their exact top rows written in, outside the graph: a
+    [T, 8] scatter here, where inside the graph it cost a copy of all the logits
+    (``CausalLM.logits_parts``)."""
+    logits, top, exact = parts
+    return logits if top is None or exact is None else logits.scatter_(1, top, exact)
 
 
 def _use_our_inductor_cache() -> None:

@@ -142,11 +142,16 @@ class Scheduler:
 
         budget -= self._propose(chosen, budget)
 
-        # then waiting requests, first come first served, while blocks and budget allow
+        # then waiting requests, first come first served, while blocks and budget allow; two or
+        # more short prompts waiting are a burst, admitted whole (``PrefillBudget.fit_burst``)
+        short = prompts.burst_tokens
+        burst = sum(1 for s in self.waiting if s.num_tokens - s.num_computed_tokens <= short) >= 2
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
             prefix = self.block_manager.match_prefix(seq)
-            n = prompts.fit(prefix.num_tokens, seq.num_tokens - prefix.num_tokens, budget)
+            want = seq.num_tokens - prefix.num_tokens
+            n = prompts.fit_burst(prefix.num_tokens, want, budget) if burst else 0
+            n = n or prompts.fit(prefix.num_tokens, want, budget)
             if n == 0 or not self.block_manager.allocate(seq, prefix.num_tokens + n, prefix):
                 break
             self.waiting.popleft()

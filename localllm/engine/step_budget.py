@@ -32,6 +32,10 @@ tokens scaled down by the overrun; one step over twice its prediction (another p
 the cores) is not learnt, a second in a row is. Without decodes nobody waits on a gap: a prompt takes the
 whole token budget (the engine's prefill speed alone is unchanged).
 
+A burst of short prompts (``burst_tokens`` or fewer each, two or more waiting) joins whole,
+within the token budget and ``max_limit_ratio`` decode-only steps (``fit_burst``): chats opened
+together then start together, and a step waits for them once instead of over a ramp.
+
 Invariants: ``fit`` gives a step's first chunk at least ``min(want, min_tokens)`` (a prompt
 always advances), never more than ``want`` or the token budget left, never a 1-token chunk of
 a longer prompt (it would pass for a decode); the engine is the one writer of the measurements (``observe``), the scheduler
@@ -101,6 +105,7 @@ class PrefillBudget:
     max_limit_ratio: float = 64.0  # ...but never more than this many decode-only steps
     min_tokens: int = 16  # the least a prompt takes in a step: it always advances
     first_tokens: int = 32  # a chunk beside decodes before any step with prompt tokens was measured
+    burst_tokens: int = 64  # a prompt this short, waiting with others as short, joins a step whole (``fit_burst``)
     growth: float = 2.0  # the prompt tokens of steps beside decodes grow at most this much a step
     forget: float = 0.9  # weight of a measurement one step older (about 10 steps remembered)
     ridge: float = 1e-6  # keeps the fit defined before every feature has varied
@@ -157,6 +162,21 @@ class PrefillBudget:
         cap = max(self.min_tokens, self._last_tokens) * self.growth / max(self._overrun, 1.0)
         n = max(floor, min(n, int(cap) - self.planned_tokens, want))
         return 0 if n == 1 < want else n  # a 1-token chunk would pass for a decode
+
+    def fit_burst(self, start: int, want: int, tokens_left: int) -> int:
+        """A short prompt of a burst (several short prompts waiting at once: chats opened
+        together): all of its ``want`` tokens, or 0 (the caller then chunks it by ``fit``).
+        Ramping up by ``fit`` let 16 chats of ~40-token prompts beside the first one's decode
+        join over 5 mixed steps, each an eager step; admitted together, the running chats wait
+        one step, which is still bounded: by the token budget, and once the model is fitted by
+        ``max_limit_ratio`` decode-only steps, the bound a long prefill's steps keep too. A
+        long prompt never takes this path, so it never stalls the running chats."""
+        if want <= 0 or want > min(self.burst_tokens, tokens_left):
+            return 0
+        if self._decodes and self.coef is not None and self.decode_s is not None:
+            if self.predict(self._decodes, [*self._chunks, (start, want)]) > self.max_limit_ratio * self.decode_s:
+                return 0
+        return want
 
     def take(self, start: int, n: int) -> None:
         """``n`` prompt tokens from ``start`` are in this step (after ``fit``, once their

@@ -712,9 +712,11 @@ def plan(
 
 
 def _fits_as(p: Plan) -> str:
-    """A nearest plan's numbers, for a suggestion: precision and footprint against its budget."""
+    """A nearest plan's numbers, for a suggestion: precision, weights (on a GPU the KV pool takes
+    what is left, so the footprint alone reads "the whole budget") and footprint against its budget."""
     kv = " + fp8 KV" if p.kv_dtype == "fp8" else ""
-    return f"{p.precision}{kv}, {fmt_bytes(p.total_bytes)} of a {fmt_bytes(p.budget_bytes)} budget"
+    return (f"{p.precision}{kv}, weights {fmt_bytes(p.weight_bytes)}, {fmt_bytes(p.total_bytes)} of a"
+            f" {fmt_bytes(p.budget_bytes)} budget")
 
 
 def _does_not_fit(
@@ -757,6 +759,14 @@ def _does_not_fit(
             nearest = nearest or alt
         except LocalLLMError:
             pass
+    if suggest_models and gguf is None and quant != "gguf" and not any((gguf_lines or {}).values()):
+        # A checkpoint in floats (or a smaller quantization of them) that does not fit may still
+        # fit as the Q4_K_M GGUF users download (gpt-oss-20b or Qwen3-30B-A3B on a 24 GB card:
+        # the ladder's awq-int4 leaves the experts in floats): the same model, so it goes first.
+        own = _own_gguf(model, hw, wanted, chats, kwargs)
+        if own is not None:
+            suggestions.insert(0, own[0])
+            nearest = nearest or own[1]
     if suggest_models:
         smaller = _smaller_catalog_model(model, hw, wanted, chats, kwargs)
         if smaller is not None:
@@ -774,6 +784,21 @@ def _does_not_fit(
                f" {as_what} (needs {fmt_bytes(needed)}, {room}); {tail}")
     return DoesNotFit(message, nearest=nearest, suggestions=suggestions, needed_bytes=needed,
                       kv_bytes_per_token=last.kvpt)
+
+
+def _own_gguf(model: ModelDims, hw: Hardware, wanted: int, chats: int,
+              kwargs: dict[str, Any]) -> tuple[str, Plan] | None:
+    """The suggestion for ``model``'s own Q4_K_M GGUF (sized as ``gguf_catalog_weights`` sizes
+    it: the published file where the catalog has its size), when that fits as asked; naming
+    the catalog's GGUF repository where it lists one. None when it does not fit either."""
+    try:
+        alt = plan(model, hw, context=wanted, chats=chats,
+                   **{**kwargs, "quant": "gguf", "dtype": None, "gguf": gguf_catalog_weights(model)})
+    except LocalLLMError:
+        return None
+    repos = (getattr(model, "quantized", None) or {}).get("gguf") or ()
+    where = f" from {repos[0]}" if repos else ""
+    return f"its Q4_K_M GGUF{where} at {wanted:,} tokens ({_fits_as(alt)})", alt
 
 
 def _smaller_catalog_model(

@@ -407,6 +407,17 @@ class CausalLM(nn.Module):
         return self.model(input_ids, positions, self.cos_sin, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [T, vocab] of the rows of ``hidden``, refined (``logits_parts``)."""
+        logits, top, exact = self.logits_parts(hidden)
+        return logits if top is None or exact is None else logits.scatter_(1, top, exact)
+
+    def logits_parts(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The head's fp32 logits [T, vocab] and, where the head rounds them (quantized or
+        16-bit), each row's top 8 (indices [T, 8]) with their exact values, which the caller
+        writes in (``compute_logits``). Apart so that the compiled decode step returns them
+        and writes them outside its graph: a scatter_ into the head's output inside the graph
+        left Inductor copying the whole [T, vocab] logits onto themselves every step (3 MB at
+        16 rows of SmolLM2, 17 MB of Gemma 3)."""
         if not isinstance(self.lm_head, nn.Linear):
             # a quantized head (GGUF blocks on CPU): its int8 activations move logits by ~0.5%,
             # more than the top two of a small model can be apart, so the top 8 are recomputed
@@ -414,19 +425,17 @@ class CausalLM(nn.Module):
             logits = self.lm_head(hidden.float()).float()
             top = cpu_ops.topk_indices(logits, 8)
             rows = self.lm_head.dequantize_rows(top.flatten()).view(*top.shape, -1)  # type: ignore[operator]
-            exact = torch.einsum("td,tkd->tk", hidden.float(), rows)
-            return logits.scatter_(1, top, exact)
+            return logits, top, torch.einsum("td,tkd->tk", hidden.float(), rows)
         w = self.lm_head.weight
         logits = self.lm_head(hidden.to(w.dtype)).float()  # its forward: --deterministic swaps it
-        if w.dtype != torch.float32:
-            # A 16-bit matmul rounds its output to 8 mantissa bits: 0.125 at a logit of 25.
-            # That tied SmolLM2's top two answers to "What is the capital of France?" (margin
-            # 0.08) and flipped greedy decoding. Recomputing the top 8 in fp32 from the fp32
-            # final norm costs 8 rows instead of an fp32 copy of the whole head.
-            top = logits.topk(8, dim=-1).indices
-            exact = torch.einsum("td,tkd->tk", hidden.float(), w[top].float())
-            logits.scatter_(1, top, exact)
-        return logits
+        if w.dtype == torch.float32:
+            return logits, None, None
+        # A 16-bit matmul rounds its output to 8 mantissa bits: 0.125 at a logit of 25.
+        # That tied SmolLM2's top two answers to "What is the capital of France?" (margin
+        # 0.08) and flipped greedy decoding. Recomputing the top 8 in fp32 from the fp32
+        # final norm costs 8 rows instead of an fp32 copy of the whole head.
+        top = logits.topk(8, dim=-1).indices
+        return logits, top, torch.einsum("td,tkd->tk", hidden.float(), w[top].float())
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The checkpoint's tensors as ``load_weights`` places them; a family whose

@@ -48,10 +48,12 @@ def activate(h: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
     """gate/up halves of ``h`` -> [rows, I]: SiLU(gate) * up, or with ``limit`` > 0 gpt-oss's
     clamped SwiGLU, (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)."""
     gate, up = h.chunk(2, dim=-1)
+    # in place on the fresh products only (h's halves are views): the same operations in the
+    # same order, without a temporary per step
     if limit > 0:
         gate = gate.clamp(max=limit)
-        return (up.clamp(-limit, limit) + 1) * gate * torch.sigmoid(gate * alpha)
-    return F.silu(gate) * up
+        return up.clamp(-limit, limit).add_(1).mul_(gate).mul_(torch.sigmoid(gate * alpha))
+    return F.silu(gate).mul_(up)
 
 
 @opaque_op("localllm::moe_experts")

@@ -14,12 +14,13 @@ rows, as ``models/moe.py``'s ``w13``), so each expert's activations are quantize
 of different types they stay two sets. A projection stored in a type no CPU kernel takes
 arrives dequantized and is rounded again to ``gguf_formats.FALLBACK``, as a linear would be.
 
-``moe_experts_gguf`` runs them: tokens sorted by expert, then per projection one call of the
-C++ ``gguf_linear_grouped`` (kernels/cpu/gguf/experts.cpp), which quantizes all rows once and
-runs every routed expert's rows on its slice of the stack, the same integer kernels as
-``gguf_linear`` (bit for bit); between them ``models/moe.py``'s activation (gpt-oss's biases
-and clamped SwiGLU included) on all rows at once. Like ``moe_experts`` it is one
-opaque custom op, so the compiled CPU decode step keeps one graph around it.
+``moe_experts_gguf`` runs them in one C++ call, ``gguf_moe_experts`` (kernels/cpu/gguf/experts.cpp):
+the (token, slot) pairs sorted by expert, then per projection ``gguf_linear_grouped``'s loop,
+which quantizes all rows once and runs every routed expert's rows on its slice of the stack
+with the same integer kernels as ``gguf_linear`` (bit for bit); between them ``models/moe.py``'s
+activation (gpt-oss's biases and clamped SwiGLU included), and the routing weights' sum after.
+Like ``moe_experts`` it is one opaque custom op, so the compiled CPU decode step keeps one graph
+around it.
 
 Invariant: after loading, the module's buffers are the only copy of the experts' weights
 (no float ``w13``/``w2`` remain on the ``MoE``); their bytes are the file's expert bytes up
@@ -34,7 +35,6 @@ from torch import nn
 from localllm.errors import LocalLLMError
 from localllm.kernels import cpu_ops
 from localllm.kernels.opaque_op import opaque_op
-from localllm.models.moe import activate
 from localllm.quant import gguf_formats as gf
 from localllm.quant.gguf import ACT_LEVELS, TILE, GGUFBlocks, packed_layout, quantize_blocks
 
@@ -138,27 +138,12 @@ def moe_experts_gguf(
 ) -> torch.Tensor:
     """``models/moe.py``'s ``moe_experts`` over packed GGUF experts, [T, H] fp32. ``w13``:
     gate and up fused (``w3`` empty), or gate alone with up in ``w3``; ``w2``: down."""
-    T, k = ids.shape
-    E = w2[0].shape[0] * TILE // x.shape[1]  # down's rows per expert are H
-    flat = ids.flatten()
-    order = torch.argsort(flat, stable=True)
-    offsets = torch.zeros(E + 1, dtype=torch.int64)
-    torch.cumsum(torch.bincount(flat, minlength=E), 0, out=offsets[1:])
-    expert = flat.index_select(0, order)  # each sorted row's expert
-    tokens = order // k
-    rows = x.index_select(0, tokens).float()
-    # one C++ call per projection runs every routed expert on its rows (activations quantized once)
-    grouped = torch.ops.localllm_cpu.gguf_linear_grouped
-    h = grouped(rows, w13, w13_type, ACT_LEVELS, offsets)
-    if w3:
-        h = torch.cat([h, grouped(rows, w3, w3_type, ACT_LEVELS, offsets)], 1)
-    if b13 is not None:
-        h = h + b13.index_select(0, expert).float()
-    out = grouped(activate(h, limit, alpha), w2, w2_type, ACT_LEVELS, offsets)
-    if b2 is not None:
-        out = out + b2.index_select(0, expert).float()
-    out.mul_(weights.flatten().index_select(0, order).float().unsqueeze(1))
-    return torch.zeros(T, x.shape[1], dtype=torch.float32).index_add_(0, tokens, out)
+    # one C++ call for the block (kernels/cpu/gguf/experts.h's moe_experts): the sort by expert,
+    # both grouped projections (activations quantized once each) and the activation and weighted
+    # sum between and after them
+    return torch.ops.localllm_cpu.gguf_moe_experts(
+        x.float(), weights.float(), ids.long(), w13, w13_type, w3, w3_type, w2, w2_type,
+        None if b13 is None else b13.float(), None if b2 is None else b2.float(), limit, alpha, ACT_LEVELS)
 
 
 @moe_experts_gguf.register_fake

@@ -76,6 +76,9 @@ def create_app(
             ("num_preemptions_total", "counter", s.num_preemptions),
             ("prefix_cache_hit_tokens_total", "counter", s.prefix_cache_hit_tokens),
             ("prompt_tokens_total", "counter", s.prompt_tokens),
+            # 1 while the compiled decode step is loaded or built (eager meanwhile): benchmarks of
+            # the steady state wait for 0 (/health's "optimizing" covers the build only)
+            ("decode_graphs_pending", "gauge", int(s.preparing)),
             # speculative decoding (vLLM's spec_decode counters; 0 when off)
             ("spec_decode_num_drafts_total", "counter", s.spec_num_drafts),
             ("spec_decode_num_draft_tokens_total", "counter", s.spec_num_draft_tokens),

@@ -7,7 +7,10 @@ template tells which (``tool_format``):
 
 - Hermes style (Qwen2.5, Qwen3, Hermes): ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``,
   one block per call;
-- Llama 3.1/3.2 JSON: the reply is ``{"name": ..., "parameters": {...}}``, calls joined by ``;``.
+- Llama 3.1/3.2 JSON: the reply is ``{"name": ..., "parameters": {...}}``, calls joined by ``;``;
+- gpt-oss (harmony): a message ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>``
+  per call, which ``localllm.harmony`` renders with the tools (no jinja template involved) and
+  ``HarmonyCallParser`` reads from what ``server.reasoning_fields`` leaves in the answer.
 
 ``tool_choice: "auto"`` generates freely and parses; ``"required"`` or a named function
 constrains decoding with a grammar (``call_grammar``) that writes exactly that syntax with each
@@ -24,7 +27,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from localllm import harmony
 from localllm.engine.guided import JSON_DEFAULTS
+from localllm.reasoning import CHANNEL, MESSAGE, START
 from localllm.server.protocol import APIError, _invalid, _kind
 
 if TYPE_CHECKING:
@@ -51,6 +56,9 @@ class ToolFormat:
 
 HERMES = ToolFormat("hermes", "<tool_call>", "</tool_call>", "<tool_call>\n", "\n</tool_call>", "arguments", "\n")
 LLAMA3_JSON = ToolFormat("llama3_json", None, None, "", "", "parameters", "; ")
+# a call is a harmony message of its own, read by HarmonyCallParser and forced by
+# harmony_call_grammar: the fields say only where a call starts and ends
+HARMONY = ToolFormat("harmony", START, harmony.CALL, "", harmony.CALL, "arguments", "")
 
 
 def tool_format(template: str | None) -> ToolFormat | None:
@@ -77,6 +85,8 @@ class ToolCalling:
     grammar: str | None
 
     def parser(self) -> ToolCallParser:
+        if self.format is HARMONY:
+            return HarmonyCallParser(self.parallel)
         return ToolCallParser(self.format, self.parallel)
 
 
@@ -140,6 +150,12 @@ def parse_tools(body: dict[str, Any], tokenizer: Tokenizer) -> ToolCalling | Non
         raise _invalid("parallel_tool_calls", f"expected a boolean, got {_kind(parallel)}")
     if choice == "none":
         return None
+    if tokenizer.speaks_harmony:  # localllm.harmony writes the tools; no template needed
+        grammar = None
+        if choice != "auto":
+            forced = [t for t in tools if choice == "required" or t["function"]["name"] == choice]
+            grammar = harmony_call_grammar(forced)
+        return ToolCalling(tools, choice, parallel, HARMONY, grammar)
     if not tokenizer.supports_tools:
         raise APIError(400, "'tools': this model's chat template has no tool section, so it cannot be told "
                             "about tools; use a model whose template takes them (Qwen2.5, Llama 3.1, ...)",
@@ -214,6 +230,24 @@ def call_grammar(fmt: ToolFormat, tools: list[dict[str, Any]], parallel: bool) -
         body = f"{json.dumps(fmt.write_start)} ({body}) {json.dumps(fmt.write_end)}"
     rest = f' ({json.dumps(fmt.separator)} call)*' if parallel else ""
     return "\n".join([f"start: call{rest}", f"call: {body}", *lines]) + "\n"
+
+
+def harmony_call_grammar(tools: list[dict[str, Any]]) -> str:
+    """Lark for a gpt-oss reply that calls one of ``tools``: its reasoning first if the model
+    writes any (an ``analysis`` message), then the call's message with the function's
+    parameters schema. One call, whatever ``parallel_tool_calls`` says: ``<|call|>`` ends the
+    reply, and the model calls again once it has the result. Harmony's markers are special
+    tokens, which llguidance's Lark names bare (``<|call|>``)."""
+    lines = ["start: thought? call",
+             'thought: <|channel|> "analysis" <|message|> /(?s:.*)/ <|end|> <|start|> "assistant"',
+             "call: " + " | ".join(f"c_{i}" for i in range(len(tools)))]
+    for i, t in enumerate(tools):
+        fn = t["function"]
+        params = {**(fn.get("parameters") or {"type": "object", "properties": {}}), "x-guidance": JSON_DEFAULTS}
+        header = json.dumps(f"commentary to=functions.{fn['name']} ")
+        lines += [f'c_{i}: <|channel|> {header} <|constrain|> "json" <|message|> fn_{i} <|call|>',
+                  f"fn_{i}: %json {json.dumps(params)}"]
+    return "\n".join(lines) + "\n"
 
 
 # ---- reading the reply ----
@@ -461,6 +495,82 @@ def _partial_suffix(text: str, marker: str) -> int:
         if marker.startswith(text[-n:]):
             return n
     return 0
+
+
+class HarmonyCallParser(ToolCallParser):
+    """A gpt-oss reply's calls, read from the answer as ``server.reasoning_fields`` leaves it:
+    answer text, and per call its harmony header (``<|start|>`` or ``<|channel|>`` up to
+    ``<|message|>``, naming ``to=functions.NAME``), its JSON arguments and ``<|call|>``. The
+    same invariant as ``ToolCallParser``: content deltas are the answer, a call's argument
+    fragments join to its whole ``arguments``. A header that names no function is shown as
+    written; arguments cut off by the reply's end stay the call's (the finish reason says
+    ``length``)."""
+
+    _HEADS = (START, CHANNEL)
+
+    def __init__(self, parallel: bool = True) -> None:
+        super().__init__(HARMONY, parallel)
+
+    def finish(self) -> ParsedDelta:
+        out = ParsedDelta()
+        while self._step(out, final=True):
+            pass
+        if self._state == "args" and self._buf:  # a partial "<|call|>" that never completed is argument text
+            self._add_arguments(out, self._buf)
+        elif self._state in ("text", "head") and self._buf:
+            out.content += self._buf
+        self._buf = ""
+        self.content += out.content
+        return out
+
+    def _add_arguments(self, out: ParsedDelta, piece: str) -> None:
+        self.calls[-1].arguments += piece
+        call = out.call(len(self.calls) - 1)
+        call["arguments"] = call.get("arguments", "") + piece
+
+    def _step(self, out: ParsedDelta, final: bool) -> bool:
+        buf = self._buf
+        if self._state == "done":
+            self._buf = ""
+            return False
+        if self._state == "text":
+            at = min((i for m in self._HEADS if (i := buf.find(m)) >= 0), default=-1)
+            if at < 0:  # hold what may be the start of a header
+                keep = 0 if final else max(_partial_suffix(buf, m) for m in self._HEADS)
+                emit, self._buf = buf[: len(buf) - keep], buf[len(buf) - keep:]
+            else:
+                emit, self._buf = buf[:at], buf[at:]
+            if not (self.calls and not emit.strip()):  # blank text between or after calls is no content
+                out.content += emit
+            if at < 0:
+                return False
+            self._state = "head"
+            return True
+        if self._state == "head":
+            at = buf.find(MESSAGE)
+            if at < 0:
+                return False
+            end = at + len(MESSAGE)
+            name = harmony.RECIPIENT.search(buf[:at])
+            if name is None:  # a message to no function: its text as written
+                out.content += buf[:end]
+                self._buf, self._state = buf[end:], "text"
+                return True
+            self._start_call(out, name.group(1))
+            self._buf, self._state = buf[end:], "args"
+            return True
+        # args: up to <|call|>
+        at = buf.find(harmony.CALL)
+        keep = 0 if at >= 0 else _partial_suffix(buf, harmony.CALL)
+        piece = buf[:at] if at >= 0 else buf[: len(buf) - keep]
+        if piece:
+            self._add_arguments(out, piece)
+        if at < 0:
+            self._buf = buf[len(buf) - keep:]
+            return False
+        self._buf = buf[at + len(harmony.CALL):]
+        self._state = "text" if self.parallel else "done"
+        return True
 
 
 def assistant_message(

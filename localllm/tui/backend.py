@@ -294,11 +294,23 @@ def chat_tokens(tokenizer: Tokenizer, messages: list[Message], add_generation_pr
         return None
 
 
-def continuation_prompt(tokenizer: Tokenizer | None, messages: list[Message], partial: str) -> Prompt:
-    """The prompt that makes the model go on with ``partial``, a reply it left unfinished.
-    With a tokenizer: the chat template up to the reply, then the reply's own tokens. Without
-    (a server): the partial reply as the last message, which servers that support assistant
-    prefill (llama-server, vLLM with continue_final_message) continue."""
+def continuation_prompt(tokenizer: Tokenizer | None, messages: list[Message], partial: str,
+                        reasoning: str = "") -> Prompt:
+    """The prompt that makes the model go on with ``partial``, a reply it left unfinished
+    (``reasoning``: what it thought before it, for a format that keeps it apart).
+    With a tokenizer: the chat template up to the reply, then the reply's own tokens; for
+    gpt-oss (harmony) the reply is an open message, so the model goes on inside it: its
+    reasoning as the ``analysis`` message it wrote, then ``<|start|>assistant<|channel|>final<|message|>``
+    and the partial answer (inside ``analysis`` when the reply was cut before any answer).
+    Without a tokenizer (a server): the partial reply as the last message, which servers that
+    support assistant prefill (llama-server, vLLM with continue_final_message) continue."""
+    if tokenizer is not None and tokenizer.speaks_harmony:
+        from localllm import harmony
+
+        cut = {"role": "assistant", "content": partial, **({"reasoning_content": reasoning} if reasoning else {})}
+        # the open message's text follows <|message|>, a special token: its ids are the reply's own
+        return tokenizer.encode_rendered(harmony.render([*messages, cut], add_generation_prompt=False,
+                                                        continue_final=True))
     if tokenizer is not None:
         return tokenizer.encode_chat(messages) + tokenizer.encode(partial, add_special_tokens=False)
     return [*messages, {"role": "assistant", "content": partial}]

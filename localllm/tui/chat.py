@@ -302,7 +302,7 @@ class ChatPane(ContextCount, Vertical):
             if engine.reasoning is not None and not engine.reasoning.skip_special_tokens:
                 params.skip_special_tokens = False
             prompt = (prompt_msgs if continue_index is None
-                      else continuation_prompt(engine.tokenizer, prompt_msgs, reply.prefix))
+                      else continuation_prompt(engine.tokenizer, prompt_msgs, reply.prefix, reply.reasoning))
             self._flush_timer = self.set_interval(FRAME_S, self._flush)
             self._save_timer = self.set_interval(SAVE_S, self._save_partial)
             # generate is an async generator; the engines annotate it as the iterator it is used as

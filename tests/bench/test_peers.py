@@ -317,3 +317,13 @@ def test_spec_is_named_to_run_and_turns_each_sides_ngram_speculation_on(tmp_path
     assert (rows["spec_prose_self"]["speed_ratio"], rows["spec_prose_self"]["met"]) == (0.96, False)
     assert rows["spec_server16_self"]["ours_trials"] == [40.0] and rows["spec_server16_self"]["theirs_trials"] == [41.0]
     assert rows["spec_prose"]["peer"] == "llama.cpp" and rows["spec_prose_self"]["peer"] == "localllm, no speculation"
+
+
+def test_our_server_is_measured_once_its_decode_graphs_are_in() -> None:
+    """A server loads its saved decode graphs after its first step, eager meanwhile (a spec
+    trial measured then read our prose decode at ~0.55x llama-server): the bench waits for
+    ``localllm:decode_graphs_pending`` 0; a server without the gauge (llama-server) is ready."""
+    row = 'localllm:decode_graphs_pending{model_name="m.gguf"} '
+    assert processes._graphs_pending(f"# TYPE localllm:decode_graphs_pending gauge\n{row}1\n")
+    assert not processes._graphs_pending(f"{row}0\n")
+    assert not processes._graphs_pending("llamacpp:prompt_tokens_total 3\n")

@@ -174,3 +174,49 @@ def test_beside_decodes_a_prompt_takes_what_its_measured_cost_allows() -> None:
     assert budget.history[-1].start == 0 and budget.history[-1].limit_s is not None
     sched.finish(alone, "abort")  # no decode left beside it: the prompt takes the whole budget again
     assert _plan(_run(sched)) == [("late", 64)]
+
+def test_a_burst_of_short_prompts_beside_a_decode_is_admitted_in_one_step() -> None:
+    """Chats opened together (16 streams of ~40-token prompts): the first is alone in its
+    prefill, the others arrive while it runs. Beside its decode they all join the next step
+    whole (a burst), not over a ramp of chunks that grows 2x a step from ``first_tokens``."""
+    sched = _scheduler(num_blocks=512, budget=512, max_seqs=16)
+    first = _seq("s0", 40)
+    sched.add(first)
+    assert _plan(_run(sched)) == [("s0", 40)]  # alone: the whole budget
+    sched.prefill_budget.observe(0.040, prompt_tokens=40, decodes=0)
+    others = [Sequence(f"s{i}", list(range(1000 * i, 1000 * i + 38 + i % 3)), SamplingParams(max_tokens=100), (), 1000)
+              for i in range(1, 16)]  # no shared prefix with s0 or with each other
+    for s in others:
+        sched.add(s)
+    batch = _run(sched)  # nothing measured beside decodes yet: fit alone would give 32 tokens
+    # 15 x ~39 tokens exceed the 511 left: the 13 that fit, whole, and the rest the next step
+    assert _plan(batch) == [("s0", 1)] + [(s.request_id, s.num_prompt_tokens) for s in others[:13]]
+    assert all(s.num_output_tokens == 1 for s in others[:13])  # prompts done: each sampled its first token
+    sched.prefill_budget.observe(0.5, prompt_tokens=batch.num_tokens - 1, decodes=1)
+    batch = _run(sched)
+    assert _plan(batch) == [(s.request_id, 1) for s in [first, *others[:13]]] + [
+        (s.request_id, s.num_prompt_tokens) for s in others[13:]]
+    assert _plan(_run(sched)) == [(s.request_id, 1) for s in [first, *others]]  # then 16 decodes
+
+
+def test_a_burst_stays_within_the_token_budget_and_a_lone_short_prompt_is_not_one() -> None:
+    sched = _scheduler(num_blocks=512, budget=100, max_seqs=16)
+    sched.add(_seq("run", 4))
+    _run(sched)
+    sched.prefill_budget.observe(0.02, prompt_tokens=4, decodes=0)
+    shorts = [Sequence(f"b{i}", list(range(1000 * i, 1000 * i + 30)), SamplingParams(max_tokens=10), (), 1000)
+              for i in range(1, 5)]
+    for s in shorts:
+        sched.add(s)
+    plan = _plan(_run(sched))
+    # 99 tokens left beside the decode: three whole prompts, the fourth a chunk of what is left
+    # that fits the ramp (or nothing); never over the budget
+    assert plan[:4] == [("run", 1), ("b1", 30), ("b2", 30), ("b3", 30)]
+    assert sum(n for _, n in plan) <= 100
+    lone = _scheduler(num_blocks=512, budget=512, max_seqs=16)
+    lone.add(_seq("run", 4))
+    _run(lone)
+    lone.prefill_budget.observe(0.02, prompt_tokens=4, decodes=0)
+    lone.add(Sequence("one", list(range(5000, 5040)), SamplingParams(max_tokens=10), (), 1000))
+    # one short prompt beside a decode is chunked as before (issue 33's gap bound): first_tokens
+    assert _plan(_run(lone)) == [("run", 1), ("one", lone.prefill_budget.first_tokens)]

@@ -158,3 +158,25 @@ def test_a_burst_of_load_during_a_prefill_cannot_run_the_limit_away() -> None:
         budget.observe(_cost(1, [(pos, n)]) * rng.choice([1.0, 2.0, 3.0]), n, 1)
         pos += n
     assert budget.decode_s == DECODE_S  # no decode-only step during the prefill: the anchor held
+
+
+def test_a_burst_prompt_joins_whole_or_not_at_all_within_the_step_bounds() -> None:
+    budget = PrefillBudget()
+    budget.begin(1)
+    assert budget.fit_burst(0, 40, 512) == 40  # short, nothing measured: whole
+    assert budget.fit_burst(0, budget.burst_tokens + 1, 512) == 0  # not short: chunked by fit
+    assert budget.fit_burst(0, 40, 39) == 0  # not all of it fits the token budget
+    _measured_decodes(budget)
+    for start, n in ((0, 64), (64, 128), (0, 200)):  # fit the model with some mixed steps
+        budget.begin(1)
+        budget.take(start, n)
+        budget.observe(_cost(1, [(start, n)]), n, 1)
+    budget.begin(1)
+    # the cost model bounds a burst step at max_limit_ratio decode-only steps
+    taken = 0
+    while (n := budget.fit_burst(0, 40, 10_000)) == 40:
+        budget.take(0, n)
+        taken += 1
+    assert 1 <= taken < 250
+    assert budget.predict(1, budget._chunks) <= budget.max_limit_ratio * budget.decode_s
+    assert budget.predict(1, [*budget._chunks, (0, 40)]) > budget.max_limit_ratio * budget.decode_s

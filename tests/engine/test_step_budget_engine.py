@@ -73,3 +73,39 @@ def test_the_longest_gap_during_a_long_prefill_is_within_3x_the_median(llm) -> N
     assert all(chat_tokens)
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]
     assert max(gaps) <= 3 * statistics.median(gaps), (max(gaps), statistics.median(gaps))
+
+
+def test_chats_opened_together_join_in_one_step_with_their_solo_tokens(llm) -> None:
+    """Five short prompts arriving while a first chat decodes join the next step whole (a
+    burst), and each greedy reply is the one it gets alone: the burst changes when rows run,
+    not what they compute."""
+    engine: LLMEngine = llm.engine
+    engine.scheduler.prefill_budget = PrefillBudget()  # cold: fit alone would take first_tokens
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = [f"Write one short line of a poem about {t}, in plain words and no rhyme." for t in ("bees", "rain", "a lighthouse", "tea", "trains", "snow")]
+    caching = engine.set_prefix_caching(False)  # the solo runs' KV must not be hits: whole prompts run
+    try:
+        solo = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+        _burst_beside_a_chat(llm, engine, prompts, params, solo)
+    finally:
+        engine.set_prefix_caching(caching)
+
+
+def _burst_beside_a_chat(llm, engine: LLMEngine, prompts: list[str], params: SamplingParams,
+                         solo: list[list[int]]) -> None:
+    ids = [engine.add_request(prompts[0], params)]
+    engine.step()  # the first prompt alone
+    ids += [engine.add_request(p, params) for p in prompts[1:]]
+    budget = engine.scheduler.prefill_budget
+    before = len(budget.history)
+    tokens: dict[str, list[int]] = {i: [] for i in ids}
+    outs = engine.step()
+    burst = budget.history[before]
+    assert burst.decodes == 1 and burst.prompt_tokens == sum(len(engine.tokenizer.encode(p)) for p in prompts[1:])
+    assert burst.prompt_tokens > budget.first_tokens
+    assert {o.request_id for o in outs} == set(ids)  # every chat has a token after this one step
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                tokens[o.request_id] = o.outputs[0].token_ids  # the whole reply
+    assert [tokens[i] for i in ids] == solo

@@ -340,3 +340,18 @@ def test_typed_gpu_names() -> None:
     with pytest.raises(LocalLLMError, match="unknown GPU 'RTX 9999'"):
         lookup_gpu("RTX 9999")
     assert gpu_hw("RTX 4060 Ti", 16).gpu.total_bytes == 16 * GiB  # type: ignore[union-attr]
+
+
+def test_a_checkpoint_too_big_in_floats_names_its_own_q4_k_m_gguf_first() -> None:
+    # gpt-oss-20b's experts stay in floats under awq-int4 (39 GiB); its GGUF keeps them in MXFP4
+    with pytest.raises(DoesNotFit) as info:
+        plan(CATALOG["gpt-oss-20b"], gpu_hw("RTX 4090"))
+    e = info.value
+    assert e.suggestions[0].startswith("its Q4_K_M GGUF from bartowski/openai_gpt-oss-20b-GGUF at 8,192 tokens (gguf, ")
+    assert e.nearest is not None and e.nearest.quant == "gguf"
+    assert e.nearest.weight_bytes == gguf_catalog_weights(CATALOG["gpt-oss-20b"]).memory_bytes(CATALOG["gpt-oss-20b"], 2)
+    # a GGUF plan that does not fit has no GGUF of itself to suggest
+    with pytest.raises(DoesNotFit) as info:
+        plan(CATALOG["llama-3.1-70b-instruct"], gpu_hw("RTX 4090"), quant="gguf",
+             gguf=gguf_catalog_weights(CATALOG["llama-3.1-70b-instruct"]))
+    assert not any(s.startswith("its Q4_K_M GGUF") for s in info.value.suggestions)

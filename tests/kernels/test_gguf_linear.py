@@ -1,8 +1,9 @@
 """The GPU GGUF kernels (kernels/gguf_linear.py) under the Triton interpreter: for every type
 they take, the packed layout holds the file's bytes, its torch dequantization is the ``gguf``
 package's own bit for bit, and the one kernel body (decode GEMV without tensor-core tiles,
-small-batch and prefill ``tl.dot``) multiplies by exactly those weights: x @ W.T within fp32
-rounding at M = 1, 3 (GEMV), 16 (split-K dot) and 17 (prefill GEMM).
+batched-decode and prefill ``tl.dot``) multiplies by exactly those weights: x @ W.T within fp32
+rounding at M = 1, 3 (GEMV), 17 (split-K dot, all rows in one tile) and 70 (prefill GEMM); the
+dequantize kernel of prefill's dequantize-then-cuBLAS writes those weights bit for bit.
 
 Blocks: the gguf package's quantizer where it has one; for the K-quants and IQ4 the
 llama.cpp-written fixture rows (tests/fixtures/gguf_blocks.gguf), plus as many rows whose
@@ -20,6 +21,7 @@ import torch
 
 from localllm.kernels.gguf_linear import (
     FORMATS,
+    GGUFPacked,
     dequantize_packed,
     dequantize_rows,
     gguf_linear,
@@ -29,11 +31,14 @@ from localllm.kernels.gguf_linear import (
     pack_gguf_blocks,
 )
 from localllm.quant import gguf_formats as gf
+from tests.kernels.conftest import ON_GPU
 from tests.models.gguf_files import llama_cpp_blocks
 
 pytestmark = pytest.mark.interpreter
 QUANTIZER = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4"}  # gguf.quants.quantize exists for these
 # Q4_K_M files mix the first four.
+# The kernels' tensors: CPU under the interpreter, CUDA for real (bench/gpu_check.py's tests).
+DEV = torch.device("cuda" if ON_GPU else "cpu")
 ORDER = ["Q4_K", "Q6_K", "Q5_0", "Q8_0", "Q5_K", "Q4_0", "Q4_1", "Q5_1", "IQ4_NL", "IQ4_XS", "MXFP4"]
 
 
@@ -68,8 +73,23 @@ def gguf_weights(blocks: torch.Tensor, name: str) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(quants.dequantize(blocks.numpy(), GGMLQuantizationType[name])))
 
 
+def kernel(x: torch.Tensor, p: GGUFPacked) -> torch.Tensor:
+    """``gguf_linear_triton``: the interpreter's small tiles on CPU; on a GPU each path's first
+    GPU config, pinned (autotuning all eleven types would compile four times the kernels, and
+    the GPU check's tests have minutes, not ten)."""
+    if not ON_GPU:
+        return gguf_linear_triton(x, p)
+    import importlib
+
+    gl = importlib.import_module("localllm.kernels.gguf_linear")
+    path = gl._path(x.numel() // x.shape[-1])
+    config = {"gemv": gl._GEMV_CONFIGS, "small": gl._SMALL_CONFIGS, "gemm": gl._GEMM_CONFIGS}[path][0]
+    return gguf_linear_triton(x, p, config=config)
+
+
 def assert_product(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, tol: float) -> None:
     """y ~= x @ w.T, each entry within ``tol`` of the sum of its terms' magnitudes."""
+    x, y = x.cpu(), y.cpu()
     ref = x.double() @ w.double().T
     scale = (x.double().abs() @ w.double().abs().T).clamp_min(1e-6)
     assert y.shape == ref.shape and y.dtype == x.dtype
@@ -91,27 +111,28 @@ def test_the_layout_is_the_files_bytes_and_dequantizes_as_gguf(name: str) -> Non
 
 @pytest.mark.parametrize("name", ORDER)
 def test_the_kernel_multiplies_by_the_files_weights(name: str) -> None:
-    """fp32 activations: decode GEMV at M = 1 and 3, the 16-row split-K dot, the prefill GEMM."""
+    """fp32 activations: decode GEMV at M = 1 and 3, the split-K dot of a batch of decodes
+    (a 32-row tile), the prefill GEMM."""
     blocks = file_blocks(name, seed=1)
-    p = pack_gguf_blocks(blocks, name)
+    p = pack_gguf_blocks(blocks.to(DEV), name)
     w = gguf_weights(blocks, name)
-    for m in (1, 3, 16, 17):
-        x = torch.randn(m, 512)
-        assert_product(gguf_linear_triton(x, p), x, w, 2e-6)
+    for m in (1, 3, 17, 70):
+        x = torch.randn(m, 512, device=DEV)
+        assert_product(kernel(x, p), x, w, 2e-6)
     # a row's result does not depend on which path or batch it ran in, beyond fp32 sums
-    x = torch.randn(17, 512)
-    torch.testing.assert_close(gguf_linear_triton(x[:1], p)[0], gguf_linear_triton(x, p)[0], rtol=1e-5, atol=1e-5)
+    x = torch.randn(17, 512, device=DEV)
+    torch.testing.assert_close(kernel(x[:1], p)[0], kernel(x, p)[0], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0"])
 def test_half_activations(name: str) -> None:
     """fp16 x: the GEMV multiplies in fp32, the dot in fp16 with the weights rounded once."""
     blocks = file_blocks(name, seed=2)
-    p = pack_gguf_blocks(blocks, name)
+    p = pack_gguf_blocks(blocks.to(DEV), name)
     w = gguf_weights(blocks, name)
     for m in (1, 17):
-        x = torch.randn(m, 512).half()
-        assert_product(gguf_linear_triton(x, p), x, w, 2e-3)
+        x = torch.randn(m, 512, device=DEV).half()
+        assert_product(kernel(x, p), x, w, 2e-3)
 
 
 @pytest.mark.parametrize("name", ["Q5_0", "Q4_1"])
@@ -119,14 +140,14 @@ def test_ragged_shapes(name: str) -> None:
     """K not a multiple of the K tile (three 32-weight blocks) and N not a multiple of the N
     tile: the masked tails read nothing outside the weight. Also 3-D x."""
     blocks = file_blocks(name, rows=40, k=96, seed=3)
-    p = pack_gguf_blocks(blocks, name)
+    p = pack_gguf_blocks(blocks.to(DEV), name)
     w = gguf_weights(blocks, name)
     for m in (1, 17):
-        x = torch.randn(m, 96)
-        assert_product(gguf_linear_triton(x, p), x, w, 2e-6)
-    x3 = torch.randn(2, 3, 96)
-    assert gguf_linear_triton(x3, p).shape == (2, 3, 40)
-    torch.testing.assert_close(gguf_linear_triton(x3, p).reshape(6, 40), gguf_linear_reference(x3.reshape(6, 96), p))
+        x = torch.randn(m, 96, device=DEV)
+        assert_product(kernel(x, p), x, w, 2e-6)
+    x3 = torch.randn(2, 3, 96, device=DEV)
+    assert kernel(x3, p).shape == (2, 3, 40)
+    torch.testing.assert_close(kernel(x3, p).reshape(6, 40), gguf_linear_reference(x3.reshape(6, 96), p))
 
 
 def test_the_dispatcher_runs_the_reference_off_gpu() -> None:
@@ -134,6 +155,27 @@ def test_the_dispatcher_runs_the_reference_off_gpu() -> None:
     p = pack_gguf_blocks(blocks, "Q4_K")
     x = torch.randn(3, 512)
     assert_product(gguf_linear(x, p), x, gguf_weights(blocks, "Q4_K"), 2e-6)
+
+
+@pytest.mark.parametrize("name", ORDER)
+def test_the_dequantize_kernel_writes_the_files_weights(name: str) -> None:
+    """Prefill's dequantize-then-matmul: the Triton dequantization is the gguf package's
+    bit for bit in fp32, and the product through it (in row chunks, too) is x @ W.T."""
+    import importlib
+
+    from localllm.kernels.gguf_linear import dequantize_triton, gguf_linear_dequant_mm
+
+    blocks = file_blocks(name, seed=6)
+    p = pack_gguf_blocks(blocks.to(DEV), name)
+    exact = gguf_weights(blocks, name)
+    assert torch.equal(dequantize_triton(p).cpu().view(torch.int32), exact.view(torch.int32))
+    assert torch.equal(dequantize_triton(p, torch.float16).cpu(), exact.half())
+    x = torch.randn(5, 512, device=DEV)
+    assert_product(gguf_linear_dequant_mm(x, p), x, exact, 2e-6)
+    module = importlib.import_module("localllm.kernels.gguf_linear")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(module, "DEQUANT_CHUNK_WEIGHTS", 7 * 512)  # 7 rows a chunk, a ragged last one
+        assert_product(gguf_linear_dequant_mm(x, p), x, exact, 2e-6)
 
 
 def test_a_type_without_a_kernel_and_partial_blocks_are_refused() -> None:
@@ -174,12 +216,12 @@ def test_the_real_q4_k_m_files_tensors() -> None:
             continue
         seen.add(name)
         blocks = torch.from_numpy(np.array(t.data[:32, :gf.fmt(name).row_bytes(512)]))
-        p = pack_gguf_blocks(blocks, name)
+        p = pack_gguf_blocks(blocks.to(DEV), name)
         w = gguf_weights(blocks, name)
-        assert torch.equal(dequantize_packed(p).view(torch.int32), w.view(torch.int32)), name
+        assert torch.equal(dequantize_packed(p).cpu().view(torch.int32), w.view(torch.int32)), name
         for m in (1, 17):
-            x = torch.randn(m, p.in_features)
-            assert_product(gguf_linear_triton(x, p), x, w, 2e-6)
+            x = torch.randn(m, p.in_features, device=DEV)
+            assert_product(kernel(x, p), x, w, 2e-6)
     assert {"Q4_K", "Q6_K", "Q5_0", "Q8_0"} <= seen
 
 
@@ -223,10 +265,10 @@ def test_the_grouped_kernel_runs_each_routed_expert_on_its_rows(name: str) -> No
 
     experts, n = 4, 32
     blocks = file_blocks(name, rows=experts * n, seed=5)
-    p = pack_gguf_blocks(blocks, name)
+    p = pack_gguf_blocks(blocks.to(DEV), name)
     w = gguf_weights(blocks, name).view(experts, n, -1)
     for counts in ([1, 0, 2, 1], [0, 17, 0, 5], [16, 3, 0, 0]):
-        offsets = torch.tensor([0, *np.cumsum(counts)], dtype=torch.int64)
+        offsets = torch.tensor([0, *np.cumsum(counts)], dtype=torch.int64, device=DEV)
         x = torch.randn(sum(counts), 512)
         y = gguf_grouped_triton(x, p, experts, offsets)
         for e in range(experts):

@@ -56,6 +56,31 @@ def test_q4_k_m_keeps_every_kernel_type_as_stored() -> None:
     # Q5_0 (576-wide rows), Q4_K/Q6_K (ffn_down, 1536-wide) and Q8_0 as stored where a kernel takes them
     for name in ("Q5_0", "Q4_K", "Q6_K", "Q8_0"):
         assert (name in block_types) == gf.fmt(name).cpu_kernel or name == gf.FALLBACK, (name, block_types)
+    # issue 28's memory target: the model holds the file's blocks (repacked, plus the layouts'
+    # own scales and the float norms), within 10% of the file, and the plan predicted that
+    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for t in [*loaded.model.parameters(), *loaded.model.buffers()]}
+    size = FILES["Q4_K_M"].stat().st_size
+    assert abs(sum(held.values()) / size - 1) <= 0.10, (sum(held.values()), size)
+    assert abs(sum(held.values()) / loaded.plan.weight_bytes - 1) <= 0.10, (sum(held.values()), loaded.plan.weight_bytes)
+
+
+@needs
+@pytest.mark.parametrize("kind", list(FILES))
+def test_each_files_planned_weights_are_its_tensors(kind: str) -> None:
+    from localllm.hardware.sizing import weight_bytes
+    from localllm.models.formats import open_checkpoint
+    from localllm.models.gguf_file import gguf_weights_from_file
+
+    path = FILES[kind]
+    if not path.is_file():
+        pytest.skip(f"{path.name} not made")
+    weights = gguf_weights_from_file(path)
+    planned = weight_bytes(open_checkpoint(path).config, "float32", "gguf", weights)
+    # every type of these files has a CPU kernel: the plan is the tensors as stored, the file
+    # that plus its metadata (the tokenizer: ~1.7 MB here)
+    assert planned == weights.tensor_bytes
+    assert 0 < path.stat().st_size - planned <= 0.03 * path.stat().st_size, (planned, path.stat().st_size)
 
 
 GEMMA = _fixtures() / "gemma-3-270m-q4_k_m.gguf"  # the published file (see ENVIRONMENT.md)

@@ -115,7 +115,7 @@ def _gguf_fields(vocab: Path) -> dict[str, Any]:
     return fields
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def harmony() -> Any:
     """openai-harmony's gpt-oss encoding, its vocabulary from the local file."""
     oh = pytest.importorskip("openai_harmony", reason="needs openai-harmony (pip install openai-harmony)")
@@ -124,7 +124,7 @@ def harmony() -> Any:
     return oh, oh.load_harmony_encoding(oh.HarmonyEncodingName.HARMONY_GPT_OSS), vocab
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tokenizer(harmony: Any) -> Tokenizer:
     return Tokenizer.from_gguf_fields(_gguf_fields(harmony[2]), "gpt-oss.gguf")
 
@@ -266,3 +266,161 @@ def test_run_prints_the_answer_and_keeps_the_reasoning_apart(tokenizer: Tokenize
     assert shown.out == "2 + 2 = **4**.\n\nAnything else?"
     assert shown.err == "The user asks 2+2. Simple: 4.\n"
     assert "".join(split.content) == shown.out and "".join(split.reasoning) == "The user asks 2+2. Simple: 4."
+
+
+# ---- tools ----
+
+WEATHER = {"type": "object", "properties": {
+    "location": {"type": "string", "description": "City name"},
+    "unit": {"type": "string", "enum": ["c", "f"], "default": "c"},
+    "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    "tags": {"type": "array", "items": {"type": "string"}, "description": "labels"},
+    "when": {"type": ["string", "null"]},
+    "hourly": {"type": "boolean", "default": False},
+    "options": {"type": "object", "description": "extras", "properties": {
+        "lang": {"type": "string", "default": "en"}, "at": {"type": "object", "properties": {"z": {"type": "number"}},
+                                                                 "required": ["z"]}}, "required": ["lang"]},
+    "points": {"type": "array", "items": {"type": "object", "properties": {"x": {"type": "number"}}}},
+    "mode": {"oneOf": [{"type": "string"}, {"type": "integer"}], "description": "how"},
+    "any": {"anyOf": [{"type": "string"}, {"type": "number"}]},
+    "free": {}, "raw": {"type": "array"},
+}, "required": ["location", "days"]}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather forecast.\nDaily.",
+                                      "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "now", "description": "The time.",
+                                      "parameters": {"type": "object", "description": "none", "properties": {}}}},
+    {"type": "function", "function": {"name": "ping", "description": "Ping."}},
+    {"type": "function", "function": {"name": "lookup", "description": "", "parameters": {
+        "type": "object", "$defs": {"id": {"type": "string"}}, "required": ["grid"], "properties": {
+            "level": {"type": "integer", "enum": [1, 2]}, "opts": {"type": "object", "default": {"a": 1, "b": "é"},
+                                                                    "properties": {}},
+            "ref": {"$ref": "#/$defs/id"}, "grid": {"type": "array", "items": {"type": "array", "items": {"type": "number"}}},
+            "maybe": {"type": ["string", "null"], "enum": ["a", None]}, "fixed": {"const": "x"},
+            "deep": {"type": "object", "properties": {"inner": {"type": "object", "description": "in",
+                                                                "properties": {"q": {"type": "string"}}}}},
+            "either": {"type": "object", "properties": {"v": {"oneOf": [
+                {"type": "object", "properties": {"a": {"type": "object", "properties": {"c": {"type": "string"}}}}},
+                {"type": "array", "items": {"type": "object", "properties": {"k": {"type": "string"}}}},
+                {"type": "string", "description": "S"}, {"type": "null"}]}}}}}}},
+]
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                         "arguments": '{"location":"Paris","days":2}'}}
+TOOL_CONVERSATIONS: list[list[dict[str, Any]]] = [
+    [{"role": "user", "content": "Weather in Paris?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
+     {"role": "assistant", "content": "", "reasoning_content": "Need the forecast.", "tool_calls": [CALL]},
+     {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'}],
+    [{"role": "user", "content": "Paris, and the time?"},
+     {"role": "assistant", "content": "Checking both.", "reasoning_content": "Two calls.", "tool_calls": [
+         CALL, {"id": "call_2", "type": "function", "function": {"name": "now", "arguments": "{}"}}]},
+     {"role": "tool", "tool_call_id": "call_1", "content": "21C"},
+     {"role": "tool", "tool_call_id": "call_2", "content": "10:00"},
+     {"role": "assistant", "content": "21C at 10:00.", "reasoning_content": "Got both."},
+     {"role": "user", "content": "Thanks!"}],
+]
+
+
+def _tool_reference(oh: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[Any]:
+    """The conversation as vLLM hands gpt-oss's to openai-harmony: the tools in the developer
+    message, every reasoning as an analysis message (the renderer drops what it drops), calls
+    as ``json`` commentary messages to ``functions.NAME``, results from ``functions.NAME``."""
+    described = [oh.ToolDescription.new(t["function"]["name"], t["function"]["description"],
+                                        parameters=t["function"].get("parameters")) for t in tools]
+    dev = oh.DeveloperContent.new().with_function_tools(described)
+    out = [oh.Message.from_role_and_content(oh.Role.SYSTEM, oh.SystemContent.new().with_conversation_start_date(TODAY))]
+    names: dict[str, str] = {}
+    if not any(m["role"] == "system" for m in messages):
+        out.append(oh.Message.from_role_and_content(oh.Role.DEVELOPER, dev))
+    for m in messages:
+        if m["role"] == "system":
+            out.append(oh.Message.from_role_and_content(oh.Role.DEVELOPER, dev.with_instructions(m["content"])))
+        elif m["role"] == "user":
+            out.append(oh.Message.from_role_and_content(oh.Role.USER, m["content"]))
+        elif m["role"] == "tool":
+            author = oh.Author.new(oh.Role.TOOL, f"functions.{names[m['tool_call_id']]}")
+            out.append(oh.Message.from_author_and_content(author, m["content"]).with_recipient("assistant")
+                       .with_channel("commentary"))
+        else:
+            if m.get("reasoning_content"):
+                out.append(oh.Message.from_role_and_content(oh.Role.ASSISTANT, m["reasoning_content"])
+                           .with_channel("analysis"))
+            if not m.get("tool_calls"):
+                out.append(oh.Message.from_role_and_content(oh.Role.ASSISTANT, m["content"]).with_channel("final"))
+                continue
+            if m["content"]:
+                out.append(oh.Message.from_role_and_content(oh.Role.ASSISTANT, m["content"]).with_channel("commentary"))
+            for call in m["tool_calls"]:
+                names[call["id"]] = call["function"]["name"]
+                out.append(oh.Message.from_role_and_content(oh.Role.ASSISTANT, call["function"]["arguments"])
+                           .with_channel("commentary").with_recipient(f"functions.{call['function']['name']}")
+                           .with_content_type("json"))
+    return out
+
+
+@pytest.mark.parametrize("case", range(len(TOOL_CONVERSATIONS)))
+def test_tool_conversations_equal_openai_harmony(harmony: Any, tokenizer: Tokenizer, case: int) -> None:
+    """Tools as harmony's TypeScript namespace (descriptions, optional fields, defaults, enums,
+    unions, arrays, nested objects, a tool without parameters), calls ending in ``<|call|>``
+    to ``functions.NAME``, results from ``functions.NAME`` to the assistant, and the reasoning
+    of a turn still calling tools kept (dropped once a final answer ends the turn): id for id."""
+    oh, enc, _ = harmony
+    messages = TOOL_CONVERSATIONS[case]
+    want = enc.render_conversation_for_completion(oh.Conversation.from_messages(_tool_reference(oh, messages, TOOLS)),
+                                                  oh.Role.ASSISTANT)
+    assert tokenizer.encode_chat(messages, tools=TOOLS) == list(want)
+
+
+def test_tool_calls_as_the_server_reads_them_render_the_same(harmony: Any, tokenizer: Tokenizer) -> None:
+    """The server turns a call's arguments into an object for jinja templates
+    (server/tools.py's tool_messages) and names each tool result; harmony writes them back
+    as compact JSON (the text gpt-oss wrote, here the text sent) and the function's name."""
+    from localllm.server.tools import tool_messages
+
+    raw = TOOL_CONVERSATIONS[1]
+    parsed = [{k: v for k, v in m.items() if k not in ("tool_calls", "tool_call_id")} for m in raw]
+    tool_messages(raw, parsed)
+    assert isinstance(parsed[2]["tool_calls"][0]["function"]["arguments"], dict)
+    got = tokenizer.decode(tokenizer.encode_chat(parsed, tools=TOOLS), skip_special_tokens=False)
+    assert 'to=functions.get_weather<|channel|>commentary json<|message|>{"location":"Paris","days":2}<|call|>' in got
+    assert '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>{"temp": 21}<|end|>' in got
+
+
+def test_a_tool_result_without_its_call_is_one_clear_error(tokenizer: Tokenizer) -> None:
+    from localllm.errors import LocalLLMError
+
+    with pytest.raises(LocalLLMError, match="tool message needs the 'tool_call_id'"):
+        tokenizer.encode_chat([{"role": "user", "content": "x"}, {"role": "tool", "content": "1", "tool_call_id": "z"}])
+
+
+# ---- the TUI's continuation of a reply cut short ----
+
+@pytest.mark.parametrize("answer, reasoning", [("The capital is", "Paris is the capital."), ("Par", ""),
+                                               ("", "The user asks about Fra"),
+                                               # cut deep in a long analysis: the parser's tail
+                                               # must still reach its header (prompt_tail)
+                                               ("", "The user asks about France, " * 12 + "so")])
+def test_continuing_a_cut_reply_goes_on_inside_its_harmony_message(harmony: Any, tokenizer: Tokenizer,
+                                                                   answer: str, reasoning: str) -> None:
+    """The TUI's continue: the prompt the reply was generated from (earlier reasoning dropped
+    as openai-harmony drops it), then the reply as the model wrote it, left open: its analysis
+    message, then the final message's header and the partial answer's ids; a reply cut
+    while thinking goes on inside its analysis message."""
+    from localllm.tui.backend import continuation_prompt
+
+    oh, enc, _ = harmony
+    messages, _ = CONVERSATIONS[2]
+    prompt = list(enc.render_conversation_for_completion(
+        oh.Conversation.from_messages(_reference(oh, messages, {})), oh.Role.ASSISTANT))
+    if answer:
+        written = (f"<|channel|>analysis<|message|>{reasoning}<|end|><|start|>assistant" if reasoning else "")
+        written += f"<|channel|>final<|message|>{answer}"
+    else:
+        written = f"<|channel|>analysis<|message|>{reasoning}"
+    want = prompt + list(enc.encode(written, allowed_special="all"))
+    assert continuation_prompt(tokenizer, messages, answer, reasoning) == want
+    # the reply's parser, started from this prompt's tail, takes the next tokens to the same side
+    fmt = format_for(tokenizer, "gpt-oss")
+    assert fmt is not None
+    split = fmt.parser(prompt_tail(tokenizer, want)).split(" more")
+    assert split == (("", " more") if answer else (" more", ""))

@@ -362,6 +362,7 @@ def test_api_key_required_except_health(served: Served) -> None:
 def test_metrics_page(served: Served) -> None:
     text = httpx.get(f"{served.url}/metrics").text
     assert "localllm:kv_cache_usage_perc" in text and "localllm:num_requests_running" in text
+    assert 'localllm:decode_graphs_pending{model_name="' in text  # 0 once compiled, or when never compiled
 
 
 def test_engine_survives_the_bad_requests(served: Served, client: openai.OpenAI) -> None:

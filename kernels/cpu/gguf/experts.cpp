@@ -6,10 +6,13 @@
 // register pair x all of the expert's rows on AMX), on the expert's own slice of the stack.
 // The kernels and their row-invariant float part are linear()'s, so results match it bit for bit.
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "../common.h"
+#include "dispatch.h"
 #include "experts.h"
 #include "kernel.h"
 
@@ -140,3 +143,80 @@ void linear_grouped(const float* x, int64_t R, int64_t K, const Packed& w, int64
 
 }  // namespace localllm_cpu::gguf
 #endif  // LOCALLLM_GGUF_KERNELS
+
+namespace localllm_cpu::gguf {
+
+// The block around the grouped calls: at one decode stream the torch ops that sorted, gathered,
+// activated and summed (~12 of them) cost ~40% of a layer's experts (each op's dispatch, and
+// caches cold after the weights' stream); here they are loops over T * k rows.
+void moe_experts(const float* x, int64_t T, int64_t H, const float* weights, const int64_t* ids, int64_t k,
+                 int64_t E, int64_t I, const Projection& w13, const Projection* w3, const Projection& w2,
+                 const float* b13, const float* b2, float limit, float alpha, int64_t levels, float* y) {
+  const int64_t R = T * k;
+  std::fill(y, y + T * H, 0.f);
+  if (R == 0) return;
+  // a stable counting sort of the (token, slot) pairs by expert: order[p] = the pair in row p
+  thread_local std::vector<int64_t> offsets, cursor;
+  offsets.assign(E + 1, 0);
+  for (int64_t i = 0; i < R; ++i) {
+    LOCALLLM_CHECK(ids[i] >= 0 && ids[i] < E, "expert id ", ids[i], " outside [0, ", E, ")");
+    ++offsets[ids[i] + 1];
+  }
+  for (int64_t e = 0; e < E; ++e) offsets[e + 1] += offsets[e];
+  cursor.assign(offsets.begin(), offsets.end() - 1);
+  const std::unique_ptr<int64_t[]> order(new int64_t[R]);
+  for (int64_t i = 0; i < R; ++i) order[cursor[ids[i]]++] = i;
+  // scratch of the call only (a prefill's rows would otherwise stay held), uninitialised: each
+  // is written whole before it is read
+  const std::unique_ptr<float[]> rows(new float[R * H]), h(new float[R * 2 * I]), act(new float[R * I]);
+  for (int64_t p = 0; p < R; ++p) std::memcpy(&rows[p * H], x + order[p] / k * H, H * sizeof(float));
+  if (w3 == nullptr) {
+    run_linear_grouped(rows.get(), R, H, w13.w, E, 2 * I, offsets.data(), w13.type, levels, h.get());
+  } else {  // gate and up of two block types: two calls, their halves side by side as one would give
+    float* up = act.get();  // free until the activation
+    run_linear_grouped(rows.get(), R, H, w13.w, E, I, offsets.data(), w13.type, levels, up);
+    for (int64_t p = 0; p < R; ++p) std::memcpy(&h[p * 2 * I], &up[p * I], I * sizeof(float));
+    run_linear_grouped(rows.get(), R, H, w3->w, E, I, offsets.data(), w3->type, levels, up);
+    for (int64_t p = 0; p < R; ++p) std::memcpy(&h[p * 2 * I + I], &up[p * I], I * sizeof(float));
+  }
+  int64_t e = 0;  // row p's expert, walked forward (rows are in expert order)
+  for (int64_t p = 0; p < R; ++p) {
+    while (offsets[e + 1] <= p) ++e;
+    float* hp = &h[p * 2 * I];
+    if (b13 != nullptr)
+      for (int64_t j = 0; j < 2 * I; ++j) hp[j] += b13[e * 2 * I + j];
+    float* ap = &act[p * I];
+    if (limit > 0) {
+      for (int64_t j = 0; j < I; ++j) {
+        const float g = std::min(hp[j], limit);
+        const float u = std::min(std::max(hp[I + j], -limit), limit) + 1.f;
+        const float s = 1.f / (1.f + std::exp(-(g * alpha)));
+        ap[j] = u * g * s;
+      }
+    } else {
+      for (int64_t j = 0; j < I; ++j) {
+        const float g = hp[j];
+        ap[j] = g / (1.f + std::exp(-g)) * hp[I + j];
+      }
+    }
+  }
+  float* out = rows.get();  // x's gathered rows are done with; down's rows are as long (H)
+  run_linear_grouped(act.get(), R, I, w2.w, E, H, offsets.data(), w2.type, levels, out);
+  e = 0;
+  for (int64_t p = 0; p < R; ++p) {
+    while (offsets[e + 1] <= p) ++e;
+    float* op = &out[p * H];
+    if (b2 != nullptr)
+      for (int64_t j = 0; j < H; ++j) op[j] += b2[e * H + j];
+    const float wt = weights[order[p]];
+    for (int64_t j = 0; j < H; ++j) op[j] *= wt;
+  }
+  // a second pass, so the product above is rounded before the sum (as the torch ops did)
+  for (int64_t p = 0; p < R; ++p) {
+    float* yt = y + order[p] / k * H;
+    const float* op = &out[p * H];
+    for (int64_t j = 0; j < H; ++j) yt[j] += op[j];
+  }
+}
+
+}  // namespace localllm_cpu::gguf

@@ -55,13 +55,14 @@ def _stop_while_compiling(cmd: list[str], env: dict[str, str], sig: signal.Signa
         assert proc.poll() is None and any(_name(p) in COMPILERS for p in tree), \
             f"no compiler started: {[_name(p) for p in tree]}"
         os.kill(proc.pid, sig)
-        code = proc.wait(timeout=30)
+        # read stderr while waiting: a build's progress lines can fill the pipe, and a
+        # process blocked writing to it never gets to exit
+        _, err = proc.communicate(timeout=30)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    assert proc.stderr is not None
-    return code, proc.stderr.read(), [p.pid for p in tree]
+    return proc.returncode, err, [p.pid for p in tree]
 
 
 def _name(p: psutil.Process) -> str:

@@ -39,8 +39,11 @@ def _env(cache: Path) -> dict[str, str]:
 def _stop_while_compiling(cmd: list[str], env: dict[str, str], sig: signal.Signals) -> tuple[int, str, list[int]]:
     """Starts ``cmd``, waits for a compiler among its descendants, sends ``sig`` to its main
     process only; its exit code, its stderr and the pids of its tree when signalled."""
+    # SIGHUP at its default in the child: under nohup the suite's children inherit it ignored,
+    # and `run` rightly keeps an ignored SIGHUP ignored (cli.py), so the test would hang there
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     try:
         tree: list[psutil.Process] = []
         deadline = time.monotonic() + 240

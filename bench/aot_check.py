@@ -222,7 +222,13 @@ def gguf_cases(arch: int) -> Iterator[Case]:
                        "tile_expert_ptr": "*i32", "tile_row_ptr": "*i64", "offsets_ptr": "*i64"}
             for label, c in g.GROUPED_CONFIGS.items():
                 yield (f"gguf grouped {name} {act} {label} {c.kwargs}", g._gguf_grouped_kernel, grouped,
-                       dict(fmt_cx, **c.kwargs, USE_DOT=c.kwargs["BLOCK_M"] >= 16), g.launch_options(c))  # fmt: skip
+                       dict(fmt_cx, **c.kwargs, USE_DOT=c.kwargs["BLOCK_M"] >= 16, PER_ROW=False),
+                       g.launch_options(c))  # fmt: skip
+            # a decode's unsorted rows, one a tile, each naming its expert (the router's int64 ids)
+            one = g.GROUPED_CONFIGS["gemv1"]
+            yield (f"gguf grouped per-row {name} {act} {one.kwargs}", g._gguf_grouped_kernel,
+                   dict(grouped, tile_expert_ptr="*i64", tile_row_ptr="*i64", offsets_ptr="*i64"),
+                   dict(fmt_cx, **one.kwargs, USE_DOT=False, PER_ROW=True), g.launch_options(one))  # fmt: skip
 
 
 GROUPS = {"attention": attention_cases, "elementwise": elementwise_cases, "gemm": gemm_cases, "gguf": gguf_cases}

@@ -532,6 +532,81 @@ def section_kernels(out: dict[str, Any], torch: Any, device: str, smoke: bool, p
         path = "gemv" if m <= 4 else "gemm"
         case(res, f"gguf_{kind.lower()}_{path}_m{m}_{k}x{n}", lambda m=m: gguf_case(kind, m, k, n))
 
+    # -- a mixture of experts' layer, experts as stored (quant/gguf_experts_cuda.py) --
+    def moe_case(shape: str, tokens: int) -> dict[str, Any]:
+        from localllm.quant import gguf_formats as gf
+        from localllm.quant.gguf import GGUFBlocks
+        from localllm.quant.gguf_experts_cuda import GGUFExpertsCUDA
+
+        E, top, H, inter, gate_kind, down_kind, limit, alpha = MOE_SHAPES[shape]
+        if smoke:
+            E, H, inter = 8, 256, 256
+        experts = GGUFExpertsCUDA(E, H, inter, gf.fmt(gate_kind).type_id, gf.fmt(gate_kind).type_id,
+                                  gf.fmt(down_kind).type_id).to(device)  # fmt: skip
+        for param, shard, kind, rows, cols in (("w13", 0, gate_kind, inter, H), ("w13", 1, gate_kind, inter, H),
+                                               ("w2", None, down_kind, H, inter)):  # fmt: skip
+            data = random_gguf_blocks(torch, kind, E * rows, cols, device, seed=3 + (shard or 0))
+            experts.load_weight(param, GGUFBlocks(gf.fmt(kind).type_id, data), shard)
+        gen = torch.Generator(device=device).manual_seed(tokens)
+        ids = torch.rand(tokens, E, device=device, generator=gen).topk(top, dim=1).indices
+        weights = torch.softmax(torch.randn(tokens, top, device=device, generator=gen), 1)
+        x = torch.randn(tokens, H, device=device, dtype=act) * 0.5
+        fn = lambda: experts(x, weights, ids, None, None, limit, alpha)  # noqa: E731
+        us, mode = timer(fn)
+        touched = int(ids.unique().numel())
+        per_expert = gf.fmt(gate_kind).nbytes(2 * inter * H) + gf.fmt(down_kind).nbytes(H * inter)
+        r: dict[str, Any] = {"experts": E, "top_k": top, "hidden": H, "intermediate": inter, "tokens": tokens,
+                             "types": [gate_kind, down_kind], "experts_touched": touched,
+                             "us": round(us, 2), "mode": mode,
+                             "path": gl_grouped_path(tokens * top, E), **roofline(touched * per_expert, us)}
+        # the same layer's experts dequantized to fp32 and multiplied per expert in torch: the
+        # kernels' reference (the CPU's composition), and where the GPU's numbers must land
+        w13, w2 = experts.dequantize()
+        ref = torch.zeros(tokens, H, device=device)
+        xf = x.float()
+        from localllm.models.moe import activate
+
+        for t in range(tokens):
+            for j in range(top):
+                e = int(ids[t, j])
+                h = activate((xf[t:t + 1] @ w13[e].T), limit, alpha)
+                ref[t] += weights[t, j] * (h.to(act).float() @ w2[e].T)[0]
+        got = fn().float()
+        r["max_rel_err_vs_fp32_ref"] = float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+        return r
+
+    from localllm.kernels.gguf_linear import grouped_path as gl_grouped_path
+
+    for shape in MOE_SHAPES:
+        for tokens in ((1, 16) if smoke else (1, 16, 64, 256)):
+            case(res, f"moe_{shape}_t{tokens}", lambda shape=shape, tokens=tokens: moe_case(shape, tokens))
+
+    # -- --deterministic's float GEMM: a row's bits the same alone and in any batch --
+    def invariant_case(m: int) -> dict[str, Any]:
+        from localllm.kernels.invariant_gemm import invariant_gemm_triton
+
+        k, n = (256, 512) if smoke else (4096, 14336)
+        w = torch.randn(n, k, device=device, dtype=act) * 0.02
+        x = torch.randn(m, k, device=device, dtype=act)
+        gemm = lambda a: invariant_gemm_triton(a, w, None, act)  # noqa: E731
+        y = gemm(x)
+        alone = torch.cat([gemm(x[i:i + 1]) for i in range(0, m, max(1, m // 4))])
+        batched_rows = y[0:m:max(1, m // 4)]
+        us, mode = timer(lambda: gemm(x))
+        cublas_us, _ = timer(lambda: F.linear(x, w))
+        cublas = F.linear(x, w)
+        # cuBLAS's own rows: are they the same alone and batched here? (what --deterministic avoids)
+        cublas_alone = torch.cat([F.linear(x[i:i + 1], w) for i in range(0, m, max(1, m // 4))])
+        ref = x.float() @ w.float().T
+        return {"m": m, "k": k, "n": n, "us": round(us, 2), "mode": mode, "cublas_us": round(cublas_us, 2),
+                "speedup": round(cublas_us / us, 2), "rows_equal_alone_and_batched": bool(torch.equal(alone, batched_rows)),
+                "cublas_rows_equal_alone_and_batched": bool(torch.equal(cublas_alone, cublas[0:m:max(1, m // 4)])),
+                "max_rel_err_vs_fp32": float((y.float() - ref).abs().max() / ref.abs().max()),
+                **roofline(n * k * w.element_size(), us)}  # fmt: skip
+
+    for m in (1, 40, 512):
+        case(res, f"invariant_gemm_m{m}", lambda m=m: invariant_case(m))
+
     # -- fused elementwise kernels at a 4096-token prefill --
     T, HID = (8, 64) if smoke else (4096, 4096)
 
@@ -589,6 +664,14 @@ def section_tests(out: dict[str, Any], timeout: float, pytest_args: str = "tests
     out["summary"] = summary[-1] if summary else None
     out["ok"] = rc == 0
 
+
+# A MoE layer's experts as the GGUF files hold them: (experts, top-k, hidden, expert width,
+# gate/up type, down type, SwiGLU clamp limit, alpha): Qwen3-30B-A3B's Q4_K_M (down Q6_K in
+# the "more bits" layers) and gpt-oss-20b's MXFP4 with its clamped SwiGLU.
+MOE_SHAPES = {
+    "qwen3_30b_a3b": (128, 8, 2048, 768, "Q4_K", "Q6_K", 0.0, 1.0),
+    "gpt_oss_20b": (32, 4, 2880, 2880, "MXFP4", "MXFP4", 7.0, 1.702),
+}
 
 LLAMA31_8B = {
     "architectures": ["LlamaForCausalLM"],
@@ -795,19 +878,20 @@ def section_e2e(
     dtype_name = "float32" if smoke else "bfloat16"
     dtype = getattr(torch, dtype_name)
     folder = Path(os.environ.get("TMPDIR", "/tmp")) / "localllm_gpu_check" / ("tiny" if smoke else f"llama31_8b_{layers}l")
-    t0 = time.monotonic()
-    out["model"] = build_random_llama(torch, folder, cfg, device, dtype)
-    out["model"]["layers"] = cfg["num_hidden_layers"]
-    out["model"]["build_s"] = round(time.monotonic() - t0, 1)
+    if with_hf or any(q != "gguf" and q not in MOE_E2E for q in quants):  # the GGUF runs write their own files
+        t0 = time.monotonic()
+        out["model"] = build_random_llama(torch, folder, cfg, device, dtype)
+        out["model"]["layers"] = cfg["num_hidden_layers"]
+        out["model"]["build_s"] = round(time.monotonic() - t0, 1)
     prompt_len = 16 if smoke else 128
     short, long_ = (2, 10) if smoke else (16, 144)
     gen = torch.Generator().manual_seed(1)
 
-    def prompts(n: int) -> list[list[int]]:
-        return torch.randint(1000 if not smoke else 10, cfg["vocab_size"] - 10, (n, prompt_len), generator=gen).tolist()
+    def prompts(n: int, vocab: int = cfg["vocab_size"]) -> list[list[int]]:
+        return torch.randint(1000 if not smoke else 10, vocab - 10, (n, prompt_len), generator=gen).tolist()
 
     def timed(llm: Any, batch: int, max_tokens: int) -> tuple[float, int]:
-        ps = prompts(batch)
+        ps = prompts(batch, llm.engine.tokenizer.vocab_size)
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
         if device == "cuda":
             torch.cuda.synchronize()
@@ -823,7 +907,8 @@ def section_e2e(
     # the same shapes as a Q4_K_M GGUF file, the precision left to the planner (which must keep
     # the file's blocks: its plan, VRAM and decode speed are what the case reports).
     variants: dict[str, dict[str, Any]] = {"kv-fp8": {"quant": "none", "kv_cache_dtype": "fp8"},
-                                           "no-graphs": {"quant": "none", "use_cuda_graphs": False}, "gguf": {}}
+                                           "no-graphs": {"quant": "none", "use_cuda_graphs": False}, "gguf": {},
+                                           **{q: {} for q in MOE_E2E}}
     gguf_file: dict[str, Any] | None = None
     for quant in quants:
         if deadline.left() < (20 if smoke else 60):
@@ -835,7 +920,14 @@ def section_e2e(
             t = time.monotonic()
             options = variants.get(quant, {"quant": quant})
             model_path = folder
-            if quant == "gguf":
+            if quant in MOE_E2E:
+                gguf_file = build_moe_gguf(folder.parent, quant, smoke)
+                r["file"] = dict(gguf_file, build_s=round(time.monotonic() - t, 1))
+                model_path = Path(gguf_file["file"])
+                if device == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
+                t = time.monotonic()
+            elif quant == "gguf":
                 # K-quant rows are whole 256-weight super-blocks: the smoke model widens to 256
                 gcfg = dict(cfg, hidden_size=256, intermediate_size=512, head_dim=64) if smoke else cfg
                 gguf_file = build_q4_k_m_gguf(torch, folder.parent / f"{folder.name}.Q4_K_M.gguf", gcfg)
@@ -845,17 +937,22 @@ def section_e2e(
                     torch.cuda.reset_peak_memory_stats()
                 t = time.monotonic()
             # a GGUF file: the plan's own dtype (the file's blocks, activations in the compute dtype)
-            llm = LLM(model=str(model_path), device=device, dtype=dtype_name if quant != "gguf" else "auto",
+            gguf_run = quant == "gguf" or quant in MOE_E2E
+            llm = LLM(model=str(model_path), device=device, dtype=dtype_name if not gguf_run else "auto",
                       max_model_len=1024 if not smoke else 128, **options)  # fmt: skip
             r["options"] = options
             r["load_s"] = round(time.monotonic() - t, 1)
-            if quant == "gguf":
+            if gguf_run:
                 r.update(gguf_memory(torch, llm, device, gguf_file))
             timed(llm, 1, short)  # warm-up: compiles, autotunes, captures graphs
             t_short, _ = timed(llm, 1, short)
             t_long, n_long = timed(llm, 1, long_)
             per_tok = (t_long - t_short) / (long_ - short)
-            read = decode_weight_bytes(cfg, quant) if quant != "gguf" else gguf_decode_bytes(gguf_file, cfg)
+            if quant in MOE_E2E:
+                assert gguf_file is not None
+                read = gguf_file["decode_bytes"]
+            else:
+                read = decode_weight_bytes(cfg, quant) if quant != "gguf" else gguf_decode_bytes(gguf_file, cfg)
             roof = read / peak_bw
             r["batch1"] = {"decode_tok_s": round(1 / per_tok, 1), "ms_per_token": round(per_tok * 1e3, 3),
                            "e2e_tok_s": round(n_long / t_long, 1), "roofline_ms_per_token": round(roof * 1e3, 3),
@@ -866,7 +963,7 @@ def section_e2e(
                 timed(llm, b, short)
                 t_b, n_b = timed(llm, b, long_)
                 r[f"batch{b}"] = {"tok_s": round(n_b / t_b, 1), "wall_s": round(t_b, 2), "tokens": n_b}
-            if quant == "gguf" and device == "cuda":
+            if gguf_run and device == "cuda":
                 r["vram"]["max_allocated_bytes"] = torch.cuda.max_memory_allocated()
             print(f"   e2e {quant}: {r}", flush=True)
         except Exception as e:  # noqa: BLE001
@@ -887,6 +984,40 @@ def section_e2e(
             results["hf_transformers"] = {"error": f"{type(e).__name__}: {e}"}
 
 
+# MoE-shaped GGUF files for the e2e section (bench/moe_shaped.py's layouts at the real models'
+# widths, fewer layers, a 32k byte-level vocabulary): Qwen3-30B-A3B's Q4_K_M and gpt-oss-20b's MXFP4.
+MOE_E2E = {
+    "gguf-moe": ("qwen3moe", 2048, 32, 4, 128, 6, 128, 8, 768),
+    "gguf-oss": ("gpt-oss", 2880, 64, 8, 64, 4, 32, 4, 2880),
+}
+
+
+def build_moe_gguf(folder: Path, quant: str, smoke: bool) -> dict[str, Any]:
+    """Writes (once) the ``MOE_E2E[quant]`` file and returns its bytes: all tensors, and what a
+    one-token decode reads (every tensor but the embedding, each layer's experts at top-k of E)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import moe_shaped
+    from localllm.quant import gguf_formats as gf
+
+    arch, hidden, heads, kv_heads, head_dim, layers, experts, used, width = MOE_E2E[quant]
+    vocab = 32000
+    if smoke:
+        hidden, heads, kv_heads, head_dim, layers, experts, used, width, vocab = 256, 4, 2, 64, 2, 8, 2, 256, 1024
+    shape = moe_shaped.Shape(arch, hidden, heads, kv_heads, head_dim, layers, experts, used, width)
+    path = folder / f"{quant}-{layers}l.gguf"
+    if not path.is_file():
+        moe_shaped.write_file(path, shape, moe_shaped.synthetic_vocab(vocab))
+    total = read = 0.0
+    for name, kind, dims in moe_shaped._tensors(shape, vocab):
+        n = math.prod(dims)
+        nbytes = n * 4 if kind == "F32" else gf.fmt(kind).nbytes(n)
+        total += nbytes
+        if name != "token_embd.weight":
+            read += nbytes * (used / experts if "_exps." in name else 1)
+    return {"file": str(path), "file_bytes": path.stat().st_size, "tensor_bytes": int(total),
+            "decode_bytes": int(read), "layers": layers, "experts": experts, "top_k": used, "vocab": vocab}
+
+
 def gguf_memory(torch: Any, llm: Any, device: str, file: dict[str, Any] | None) -> dict[str, Any]:
     """What a GGUF run holds against its file: the plan's precision and weight bytes, the
     weights the model holds on the device, and (CUDA) what torch's allocator holds."""
@@ -895,7 +1026,8 @@ def gguf_memory(torch: Any, llm: Any, device: str, file: dict[str, Any] | None) 
     assert file is not None
     engine = llm.engine
     held = weight_bytes(engine.runner.model)
-    kinds = sorted({type(m).__name__ for m in engine.runner.model.modules() if getattr(m, "method", "") == "gguf"})
+    kinds = sorted({type(m).__name__ for m in engine.runner.model.modules()
+                    if getattr(m, "method", "") == "gguf" or type(m).__name__.startswith("GGUFExperts")})
     r: dict[str, Any] = {
         "precision": engine.precision, "plan_quant": engine.plan.quant, "plan_reason": engine.plan.precision_reason,
         "modules": kinds,

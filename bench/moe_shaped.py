@@ -30,6 +30,7 @@ import sys
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -118,14 +119,30 @@ def _data(name: str, kind: str, shape: tuple[int, ...], gen):  # noqa: ANN001, A
     return raw.reshape(*shape[:-1], shape[-1] // f.block_weights * f.block_bytes)
 
 
-def write_file(out: Path, s: Shape) -> None:
+def synthetic_vocab(size: int) -> dict[str, Any]:
+    """Tokenizer fields of a byte-level vocabulary of ``size`` tokens (the 256 byte pieces,
+    the end-of-text and harmony markers, then unused pieces): for a machine without the
+    default model (the GPU check's), where prompts are token ids."""
+    from localllm.harmony import TOKENS
+
+    chars = [chr(b) if 33 <= b <= 126 or 161 <= b <= 172 or 174 <= b <= 255 else chr(256 + b) for b in range(256)]
+    tokens = [*chars, "\u0120t", "<|endoftext|>", *TOKENS, "<|call|>", "<|constrain|>"]  # one merge: the reader needs one
+    tokens += [f"<unused{i}>" for i in range(size - len(tokens))]
+    return {"tokenizer.ggml.pre": "gpt2", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": [1] * 257 + [3] * (size - 257), "tokenizer.ggml.merges": ["\u0120 t"],
+            "tokenizer.ggml.bos_token_id": 257, "tokenizer.ggml.eos_token_id": 257, "tokenizer.chat_template": ""}
+
+
+def write_file(out: Path, s: Shape, fields: dict[str, Any] | None = None) -> None:
+    """Writes shape ``s`` to ``out``; the tokenizer's ``fields`` (default: the default model's)."""
     import numpy as np
     from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType
 
     from localllm import store
     from localllm.models.gguf_file import read_gguf
 
-    fields, _ = read_gguf(store.resolve(None))
+    if fields is None:
+        fields, _ = read_gguf(store.resolve(None))
     tokens = list(fields["tokenizer.ggml.tokens"])
     gen = np.random.default_rng(0)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -157,7 +174,8 @@ def write_file(out: Path, s: Shape) -> None:
     w.add_token_merges(list(fields["tokenizer.ggml.merges"]))
     w.add_bos_token_id(int(fields["tokenizer.ggml.bos_token_id"]))
     w.add_eos_token_id(int(fields["tokenizer.ggml.eos_token_id"]))
-    w.add_chat_template(str(fields["tokenizer.chat_template"]))
+    if fields.get("tokenizer.chat_template"):
+        w.add_chat_template(str(fields["tokenizer.chat_template"]))
     tensors = _tensors(s, len(tokens))
     for name, kind, shape in tensors:
         arr = _data(name, kind, (1,) * (len(shape) - 1) + shape[-1:], gen)  # one row: its bytes

@@ -231,12 +231,15 @@ def make_autotuner(fn: Any, configs: Sequence[Config], key: list[str], even_k: b
     return tuner
 
 
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+ScaleArg = float | torch.Tensor | None  # an FP8 scale; None is 1.0
+
 # FP8 scales given as python floats become 1-element device tensors once, so a call under
 # CUDA-graph capture never does a host-to-device copy (pass tensors to avoid even the first).
 _SCALES: dict[tuple[float, torch.device], torch.Tensor] = {}
 
 
-def scale_tensor(s: float | torch.Tensor | None, device: torch.device) -> torch.Tensor:
+def scale_tensor(s: ScaleArg, device: torch.device) -> torch.Tensor:
     if isinstance(s, torch.Tensor):
         if s.device == device and s.dtype == torch.float32 and s.numel() == 1:
             return s.reshape(1)

@@ -52,12 +52,14 @@ weights (``_tile_scales``). Three paths, by M:
 Measured on an H200 before this layout (2026-12-04): the GEMV at 6-10% of the read roofline,
 compute-bound on a per-weight decode through shared-memory layout conversions: 733 SASS
 instructions in the sm90 loop for 32 weights a thread (23 a weight, Q4_K, one row). This
-layout: 407 for 64 (6.4 a weight; 96 registers, so 5 programs an SM). Not yet timed on a GPU
-(bench/aot_check.py compiles every config for sm80/sm89/sm90; bench/gpu_check.py times them).
+layout: 407 for 64 (6.4 a weight; 96 registers, so 5 programs an SM); timed on the H200 the
+same day (docs/benchmarks.md: Q4_K M = 1 124.8 -> 33.5 us). bench/aot_check.py compiles every
+config for sm80/sm89/sm90; bench/gpu_check.py times them.
 
 ``gguf_grouped`` is the mixture-of-experts entry: a stacked [E * N, K] expert weight and rows
-sorted by expert, every routed expert's rows in one launch (``_gguf_grouped_kernel``, the same
-``_decode_tile``), with no value read back (CUDA-graph safe); see its section below.
+sorted by expert (or, for a one-token decode, unsorted), every routed expert's rows in one
+launch (``_gguf_grouped_kernel``, the same ``_decode_tile``), with no value read back
+(CUDA-graph safe); see its section below.
 """
 
 from __future__ import annotations
@@ -935,7 +937,10 @@ def gguf_linear(x: torch.Tensor, p: GGUFPacked) -> torch.Tensor:
 # that never straddle two experts (a table built on the device, ``grouped_tiles``, so nothing
 # is read back: CUDA-graph safe), each program decoding its expert's [BLOCK_N, K] strip of
 # blocks once for the tile's rows. A tile past the last expert's rows exits at once. No split-K:
-# a decode step's T * top_k tiles times N / BLOCK_N strips already fill a GPU.
+# a decode step's T * top_k tiles times N / BLOCK_N strips already fill a GPU. With very few
+# rows (a one-token decode: ``per_row_routing``) the rows stay in (token, k) order and each is
+# its own tile naming its expert (``PER_ROW``): the sort and the tile table would cost more
+# launches than the projections (first H200 run: 186 -> 57 us for a Qwen3-30B-A3B layer).
 
 
 @triton.jit
@@ -945,14 +950,18 @@ def _gguf_grouped_kernel(
     FORMAT: tl.constexpr, BW: tl.constexpr, SUB: tl.constexpr, LO_BITS: tl.constexpr, HI_BITS: tl.constexpr,
     ND: tl.constexpr, NSC: tl.constexpr, LUT0: tl.constexpr, LUT1: tl.constexpr, LUT2: tl.constexpr,
     LUT3: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, EVEN_K: tl.constexpr, PER_ROW: tl.constexpr,
 ):
     tile = tl.program_id(0)
     e = tl.load(tile_expert_ptr + tile)
-    if e < 0:  # past the routed rows
-        return
-    row0 = tl.load(tile_row_ptr + tile)
-    row_end = tl.load(offsets_ptr + e + 1)
+    if PER_ROW:  # rows unsorted, tile i is row i of expert tile_expert[i] (a decode's few rows)
+        row0 = tile.to(tl.int64)
+        row_end = row0 + 1
+    else:
+        if e < 0:  # past the routed rows
+            return
+        row0 = tl.load(tile_row_ptr + tile).to(tl.int64)
+        row_end = tl.load(offsets_ptr + e + 1).to(tl.int64)
     offs_m = row0 + tl.arange(0, BLOCK_M)
     m_ok = offs_m < row_end
     offs_nl = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -981,14 +990,18 @@ def _gguf_grouped_kernel(
 
 
 # Fixed launches, no autotuning (yet): rows per expert decide the path, as gguf_linear's M does.
-# The FMA path is gguf_linear's GEMV tile (its register cap too); the dot tiles its small-M and
-# prefill ones without split-K.
+# The FMA path is gguf_linear's GEMV tile (its register cap too) at 1, 2 or 4 rows a tile (the
+# rows an expert gets: a tile of 4 for one row did 4x the FMAs, which a decode's memory-bound
+# step still paid for: the H200's Qwen3-30B-A3B-shaped layer at 16 tokens ran at 6% of the read
+# roofline); the dot tiles its small-M and prefill ones without split-K.
 GROUPED_GEMV_ROWS = 4  # total routed rows per expert on average up to here: the FMA path
 GROUPED_SMALL_ROWS = 32  # and up to here the 16-row dot tile
-_GROUPED_GEMV = _Capped({"BLOCK_M": 4, "BLOCK_N": 32, "BLOCK_K": 128}, 4, 3)
+# 16 x 256 tiles, 2 warps, 2 stages: the H200's best or near it for Q4_K, Q6_K and MXFP4 experts
+# at 1 and 16 tokens (2026-12-04 sweep of 19 tiles: 1.16-1.61x the 32 x 128, 4-warp, 3-stage tile)
+_GROUPED_GEMV = {m: _Capped({"BLOCK_M": m, "BLOCK_N": 16, "BLOCK_K": 256}, 2, 2) for m in (1, 2, 4)}
 _GROUPED_SMALL = Config({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64}, 4, 3)
 _GROUPED_GEMM = Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}, 4, 3)
-GROUPED_CONFIGS = {"gemv": _GROUPED_GEMV, "small": _GROUPED_SMALL, "gemm": _GROUPED_GEMM}
+GROUPED_CONFIGS = {**{f"gemv{m}": c for m, c in _GROUPED_GEMV.items()}, "small": _GROUPED_SMALL, "gemm": _GROUPED_GEMM}
 _INTERPRET_GROUPED = {"gemv": Config({"BLOCK_M": 2, "BLOCK_N": 32, "BLOCK_K": 64}, 4, 1),
                       "small": Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64}, 4, 1)}
 
@@ -999,6 +1012,25 @@ def grouped_path(rows: int, experts: int) -> str:
     not read the routing)."""
     per_expert = rows / max(1, min(rows, experts))
     return "gemv" if per_expert <= GROUPED_GEMV_ROWS else "small" if per_expert <= GROUPED_SMALL_ROWS else "gemm"
+
+
+def grouped_config(rows: int, experts: int, on_gpu: bool) -> Config:
+    """The tiles of a grouped call (``grouped_path``'s; on the FMA path as many rows a tile
+    as an expert gets on average, rounded up to 1, 2 or 4)."""
+    path = grouped_path(rows, experts)
+    if not on_gpu:
+        return _INTERPRET_GROUPED["gemv" if path == "gemv" else "small"]
+    if path == "gemv":
+        return _GROUPED_GEMV[next_power_of_2(-(-rows // max(1, min(rows, experts))))]
+    return _GROUPED_SMALL if path == "small" else _GROUPED_GEMM
+
+
+def per_row_routing(tokens: int, top_k: int, experts: int) -> bool:
+    """Whether a MoE call of ``tokens`` rows routed to ``top_k`` of ``experts`` experts runs
+    its (token, k) rows unsorted, each its own one-row tile: with so few rows an expert is
+    rarely chosen twice, and the sort, the expert boundaries and the tile table (a dozen small
+    launches per projection, most of a one-token decode's MoE time on an H200) are not needed."""
+    return tokens * top_k <= max(top_k, experts // 8)
 
 
 def expert_slice(p: GGUFPacked, experts: int, e: int) -> GGUFPacked:
@@ -1023,48 +1055,86 @@ def grouped_tiles(offsets: torch.Tensor, block_m: int, max_tiles: int) -> tuple[
     return torch.where(e < experts, ec, -1).to(torch.int32), row0
 
 
-def gguf_grouped_triton(x: torch.Tensor, p: GGUFPacked, experts: int, offsets: torch.Tensor, *,
+@dataclass(frozen=True, slots=True, eq=False)
+class GroupedRouting:
+    """Where the rows of the grouped calls of one MoE layer go; made once by ``route_rows``
+    and shared by its projections (same rows, same experts, so the same tiles).
+
+    Per row (``offsets`` None): rows in (token, k) order, row i expert ``tile_expert[i]``,
+    one tile each. Sorted: rows sorted by expert, expert e's rows ``offsets[e]`` up to
+    ``offsets[e + 1]``, tile t's expert ``tile_expert[t]`` (-1: unused) from row ``tile_row[t]``."""
+
+    experts: int
+    rows: int
+    config: Config
+    tile_expert: torch.Tensor
+    tile_row: torch.Tensor | None = None
+    offsets: torch.Tensor | None = None
+
+
+def route_rows(rows: int, experts: int, on_gpu: bool, *, offsets: torch.Tensor | None = None,
+               row_expert: torch.Tensor | None = None) -> GroupedRouting:
+    """The routing of ``rows`` rows: sorted by expert (``offsets`` int64 [E + 1]) or per row
+    (``row_expert`` [rows], each row's expert). Device ops only, nothing read back."""
+    if row_expert is not None:
+        one = _GROUPED_GEMV[1] if on_gpu else Config({**_INTERPRET_GROUPED["gemv"].kwargs, "BLOCK_M": 1}, 4, 1)
+        return GroupedRouting(experts, rows, one, row_expert)
+    assert offsets is not None and offsets.numel() == experts + 1
+    config = grouped_config(rows, experts, on_gpu)
+    bm = config.kwargs["BLOCK_M"]
+    max_tiles = min(rows, triton.cdiv(rows, bm) + experts)  # every tile but the last of each expert is full
+    offsets = offsets.to(torch.int64)
+    tile_expert, tile_row = grouped_tiles(offsets, bm, max_tiles)
+    return GroupedRouting(experts, rows, config, tile_expert, tile_row, offsets)
+
+
+def gguf_grouped_triton(x: torch.Tensor, p: GGUFPacked, routing: GroupedRouting, *,
                         config: Config | None = None) -> torch.Tensor:
-    """[R, N] = for each expert e, x[offsets[e]:offsets[e + 1]] @ W_e.T, where ``p`` stacks the
-    ``experts`` weights W_e [N, K] and x [R, K] holds rows sorted by expert. One launch.
-    ``config`` pins the tiles (tests); otherwise the path by rows per expert (``grouped_path``)."""
+    """[R, N] = for each row r of x [R, K], x[r] @ W_e.T with e its expert (``routing``),
+    where ``p`` stacks the ``routing.experts`` weights W_e [N, K]. One launch. ``config``
+    pins the tiles (tests; its BLOCK_M must be the routing's)."""
     layout = p.layout
+    experts = routing.experts
     k, n = p.in_features, p.out_features // experts
     assert x.dim() == 2 and x.shape[1] == k, f"x is {list(x.shape)}, the {p.fmt} experts take {k} features"
-    assert p.out_features % experts == 0 and offsets.numel() == experts + 1
+    assert p.out_features % experts == 0 and x.shape[0] == routing.rows
     if x.stride(-1) != 1:
         x = x.contiguous()
     r = x.shape[0]
     out = torch.empty((r, n), dtype=x.dtype, device=x.device)
     if r == 0 or n == 0:
         return out
-    path = grouped_path(r, experts)
-    if config is None:
-        config = GROUPED_CONFIGS[path] if gpu_tiles(x) else _INTERPRET_GROUPED["gemv" if path == "gemv" else "small"]
+    config = config or routing.config
     kw = config.kwargs
     assert kw["BLOCK_K"] % layout.sub_block == 0, f"BLOCK_K {kw['BLOCK_K']} splits a {p.fmt} sub-block"
-    bm = kw["BLOCK_M"]
-    max_tiles = min(r, triton.cdiv(r, bm) + experts)  # every tile but the last of each expert is full
-    tile_expert, tile_row = grouped_tiles(offsets.to(torch.int64), bm, max_tiles)
+    assert kw["BLOCK_M"] == routing.config.kwargs["BLOCK_M"], "the routing's tiles are of its BLOCK_M rows"
+    per_row = routing.offsets is None
     high = p.high if p.high.numel() else p.codes
     scales = p.scales if p.scales.numel() else p.codes
     d = p.d if p.d.numel() else p.codes
+    tile_row = routing.tile_row if routing.tile_row is not None else routing.tile_expert
+    offsets = routing.offsets if routing.offsets is not None else routing.tile_expert
     consts: dict[str, int | bool] = dict(
         FORMAT=layout.type_id, BW=layout.block_weights, SUB=layout.sub_block, LO_BITS=layout.lo_bits,
         HI_BITS=layout.hi_bits, ND=layout.nd, NSC=layout.nsc, **lut_words(p.fmt),
-        USE_DOT=bm >= 16, DOT_FP32=dot_fp32(x), EVEN_K=k % kw["BLOCK_K"] == 0,
+        USE_DOT=kw["BLOCK_M"] >= 16, DOT_FP32=dot_fp32(x), EVEN_K=k % kw["BLOCK_K"] == 0, PER_ROW=per_row,
     )
-    grid = (max_tiles, triton.cdiv(n, kw["BLOCK_N"]))
-    _gguf_grouped_kernel[grid](x, p.codes, high, scales, d, out, tile_expert, tile_row, offsets.to(torch.int64),
+    grid = (routing.tile_expert.numel(), triton.cdiv(n, kw["BLOCK_N"]))
+    _gguf_grouped_kernel[grid](x, p.codes, high, scales, d, out, routing.tile_expert, tile_row, offsets,
                                n, k, x.stride(0), out.stride(0), **consts, **kw, **launch_options(config))
     return out
 
 
-def gguf_grouped_reference(x: torch.Tensor, p: GGUFPacked, experts: int, offsets: torch.Tensor) -> torch.Tensor:
+def gguf_grouped_reference(x: torch.Tensor, p: GGUFPacked, routing: GroupedRouting) -> torch.Tensor:
     """``gguf_grouped_triton``'s torch reference: one ``gguf_linear_reference`` per expert
-    with rows (reads the offsets back: not for a captured graph)."""
-    bounds = offsets.tolist()
+    with rows (reads the routing back: not for a captured graph)."""
+    experts = routing.experts
     out = torch.empty((x.shape[0], p.out_features // experts), dtype=x.dtype, device=x.device)
+    if routing.offsets is None:
+        for i, e in enumerate(routing.tile_expert.tolist()):
+            out[i:i + 1] = gguf_linear_reference(x[i:i + 1], expert_slice(p, experts, e))
+        return out
+    bounds = routing.offsets.tolist()
     for e in range(experts):
         lo, hi = bounds[e], bounds[e + 1]
         if hi > lo:
@@ -1072,9 +1142,9 @@ def gguf_grouped_reference(x: torch.Tensor, p: GGUFPacked, experts: int, offsets
     return out
 
 
-def gguf_grouped(x: torch.Tensor, p: GGUFPacked, experts: int, offsets: torch.Tensor) -> torch.Tensor:
+def gguf_grouped(x: torch.Tensor, p: GGUFPacked, routing: GroupedRouting) -> torch.Tensor:
     """The routed experts' rows through their stacked GGUF weight: the Triton launch on CUDA
     (and in a rehearsal), the torch reference elsewhere."""
     if use_triton(x):
-        return gguf_grouped_triton(x, p, experts, offsets)
-    return gguf_grouped_reference(x, p, experts, offsets)
+        return gguf_grouped_triton(x, p, routing)
+    return gguf_grouped_reference(x, p, routing)

@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from localllm.kernels._triton import (
+    FP8_DTYPES,
+    ScaleArg,
     capability,
     dot_fp32,
     gpu_tiles,
@@ -43,9 +45,6 @@ from localllm.kernels._triton import (
 )
 from localllm.kernels import cpu_ops
 from localllm.kernels.opaque_op import opaque_op
-
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-ScaleArg = float | torch.Tensor | None
 
 
 def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:

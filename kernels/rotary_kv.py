@@ -16,7 +16,9 @@ from __future__ import annotations
 import torch
 
 from localllm.kernels._triton import (
+    FP8_DTYPES,
     INTERPRET,
+    ScaleArg,
     next_power_of_2,
     round_to_e4m3_grid,
     scale_tensor,
@@ -25,9 +27,6 @@ from localllm.kernels._triton import (
     use_triton,
 )
 from localllm.kernels import cpu_ops
-
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-ScaleArg = float | torch.Tensor | None
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -48,9 +48,11 @@ import re
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from localllm.cli_common import positive_int
 
 if TYPE_CHECKING:
     import httpx
@@ -61,6 +63,7 @@ if TYPE_CHECKING:
     from localllm.server.remote import RemoteEngine
     from localllm.tokenizer import Tokenizer
 
+T = TypeVar("T")
 WORKLOADS = ("chats", "rag", "multiturn")
 EXTRA_WORKLOADS = ("guided", "spec")  # run only when named
 GUIDED_BATCHES = (1, 16)
@@ -197,31 +200,26 @@ class _Target:
             await self.local_engine.call(lambda e: e.reset_prefix_cache())
 
     @asynccontextmanager
-    async def speculating(self, config: SpeculativeConfig | None) -> AsyncIterator[None]:
-        """Speculative decoding with ``config`` (None: off) in the local engine for the block
-        (a remote server keeps its own)."""
+    async def _setting(self, set_: Callable[[LLMEngine, T], T], value: T) -> AsyncIterator[None]:
+        """``set_(engine, value)`` on the local engine's thread for the block, then the value it
+        returned (the one before) set back the same way; a remote server keeps its own."""
         engine = self.local_engine
         if engine is None:
             yield
             return
-        before = await engine.call(lambda e: e.set_speculative(config))
+        before = await engine.call(lambda e: set_(e, value))
         try:
             yield
         finally:
-            await engine.call(lambda e: e.set_speculative(before))
+            await engine.call(lambda e: set_(e, before))
 
-    @asynccontextmanager
-    async def caching(self, enabled: bool) -> AsyncIterator[None]:
-        """Prefix caching on or off in the local engine for the block, set on its thread."""
-        engine = self.local_engine
-        if engine is None:
-            yield
-            return
-        before = await engine.call(lambda e: e.set_prefix_caching(enabled))
-        try:
-            yield
-        finally:
-            await engine.call(lambda e: e.set_prefix_caching(before))
+    def speculating(self, config: SpeculativeConfig | None) -> AbstractAsyncContextManager[None]:
+        """Speculative decoding with ``config`` (None: off) in the local engine for the block."""
+        return self._setting(lambda e, v: e.set_speculative(v), config)
+
+    def caching(self, enabled: bool) -> AbstractAsyncContextManager[None]:
+        """Prefix caching on or off in the local engine for the block."""
+        return self._setting(lambda e, v: e.set_prefix_caching(v), enabled)
 
     async def kv_sample(self, client: httpx.AsyncClient | None) -> tuple[float | None, int | None, int | None, int | None]:
         """(KV usage, KV blocks used, batch size, preemptions so far), None where unknown."""
@@ -889,12 +887,9 @@ def _csv(kind: Callable[[str], Any], allowed: tuple[str, ...] | None = None) -> 
 
 
 def _positive_ints(text: str) -> tuple[int, ...]:
-    try:
-        items = _csv(int)(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers like 1,4,16") from None
-    if not items or any(n < 1 for n in items):
-        raise argparse.ArgumentTypeError(f"{text!r}: every N must be at least 1")
+    items = _csv(positive_int)(text)
+    if not items:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated whole numbers like 1,4,16")
     return items
 
 

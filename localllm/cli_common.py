@@ -28,6 +28,17 @@ DRAFT_TOKENS = 4
 QUANT_METHODS = "{quant methods}"  # filled in from localllm.quant.methods.METHODS when help is shown
 
 
+def positive_int(text: str) -> int:
+    """An argparse ``type``: a whole number of at least 1, else one line naming what was given."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be at least 1")
+    return n
+
+
 def add_model_arg(p: argparse.ArgumentParser, help: str = MODEL_HELP) -> None:  # noqa: A002 - argparse's name
     p.add_argument("--model", "-m", default=None, help=help)
 

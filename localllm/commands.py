@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from localllm.engine.engine import EngineStats, LLMEngine, Prompt, RequestOutput
     from localllm.engine.sequence import SamplingParams
     from localllm.hardware.probe import MemoryMeter
-    from localllm.reasoning import ReasoningFormat, ReasoningParser
+    from localllm.reasoning import HarmonyCall, ReasoningFormat, ReasoningParser
     from localllm.server.remote import RemoteEngine
     from localllm.tokenizer import Tokenizer
 
@@ -79,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
     report = _report(result, engine.stats(), params, engine.sampling_defaults, time.monotonic() - started)
     if split is not None:  # the answer as text, the reasoning beside it (the server's reasoning_content)
         report["text"], report["reasoning"] = "".join(split.content), "".join(split.reasoning)
+        report["tool_calls"] = [{"recipient": c.recipient, "arguments": c.arguments} for c in split.calls()]
     if remote is not None:
         report["endpoint"] = remote.endpoint
     if llm is not None:
@@ -146,6 +147,15 @@ class ReplySplit:
             self.answered = True
             sys.stdout.write(delta.content)
             sys.stdout.flush()
+        if echo and out.finished:  # a call is neither answer nor reasoning: labelled, on stderr
+            for call in self.calls():
+                sys.stderr.write(f"\n[tool call, not run] {call.recipient} {call.arguments}\n")
+
+    def calls(self) -> list[HarmonyCall]:
+        """The tool calls the reply made (gpt-oss's harmony messages to a tool), which `run` does not run."""
+        from localllm.reasoning import HarmonyParser
+
+        return self.parser.calls if isinstance(self.parser, HarmonyParser) else []
 
 
 async def _reply(engine: AsyncEngine | RemoteEngine, prompt: Prompt, params: SamplingParams, echo: bool,

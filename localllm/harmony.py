@@ -21,14 +21,14 @@ then): a turn still calling tools keeps its chain of thought.
 The model's own template (jinja, shipped in the GGUF and the HF folder) renders the same
 messages but for two byte runs: a blank line after the developer's instructions, and a tool
 result written as a JSON string (``tojson``) where openai-harmony writes its text. Replies are
-split into reasoning and answer by ``localllm.reasoning.HarmonyParser``; a reply's tool calls
-are read by ``localllm.server.tools``.
+split into reasoning and answer by ``localllm.reasoning.HarmonyParser``, which keeps a message
+addressed to a tool (recipient before or after the channel) out of both; the server reads
+those calls into ``tool_calls`` (``localllm.server.tools``).
 """
 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping, Sequence
 from datetime import date
 from typing import Any
@@ -42,8 +42,9 @@ CHANNELS = "# Valid channels: analysis, commentary, final. Channel must be inclu
 # the tokens harmony is written with; a vocabulary that holds them all speaks it
 TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>")
 CALL = "<|call|>"  # ends an assistant message addressed to a tool: the reply stops there
-# a call's header names its recipient, before or after the channel: "to=functions.get_weather"
-RECIPIENT = re.compile(r"\bto=functions\.([^\s<]+)")
+# a function call's recipient ("to=functions.get_weather", before or after the channel;
+# localllm.reasoning.read_header reads it)
+FUNCTIONS = "functions."
 
 
 ROLES = ("system", "developer", "user", "assistant", "tool")

@@ -7,8 +7,9 @@ Thinking models write their reasoning into the reply itself, marked by their cha
   models), so the reply starts inside the reasoning with no opening tag of its own; Qwen3 with
   ``enable_thinking=False`` writes an empty, closed block into the prompt instead.
 - gpt-oss's harmony messages: ``<|channel|>analysis<|message|> ... <|end|>`` is reasoning,
-  ``<|start|>assistant<|channel|>final<|message|> ...`` the answer. Its markers are special
-  tokens, so the reply must be detokenized with them kept (``ReasoningFormat.skip_special_tokens``).
+  ``<|start|>assistant<|channel|>final<|message|> ...`` the answer, and a message addressed to a
+  tool (``to=functions.NAME`` in its header) neither: ``HarmonyParser.calls``. Its markers are
+  special tokens, so the reply must be detokenized with them kept (``ReasoningFormat.skip_special_tokens``).
 
 Which format applies comes from the model (its chat template, else its architecture), as vLLM's
 ``--reasoning-parser`` picks one, and that flag overrides it with vLLM's names.
@@ -21,6 +22,7 @@ specific beyond the markers; nothing here needs torch or a model.
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -188,20 +190,124 @@ class ThinkParser(ReasoningParser):
         return ReasoningDelta()
 
 
+@dataclass(frozen=True, slots=True)
+class HarmonyHeader:
+    """One harmony message's header, read up to its ``<|message|>``.
+
+    ``text`` is the header as written, from its first marker (``<|start|>``, ``<|channel|>``,
+    ``<|constrain|>``, ``<|message|>``) or, right after a role the prompt wrote, from the
+    reply's `` to=``, through ``<|message|>``; empty for text outside any message (a model that
+    skips the format). ``role``: the one after ``<|start|>``, or the prompt's when the header
+    goes on from it, else None. ``recipient``: the ``to=`` target wherever the header names it
+    (before or after the channel: harmony allows both), e.g. ``functions.get_weather``.
+    ``content_type``: what else the header says after the role and channel (``json`` from
+    ``commentary json`` or ``<|constrain|>json``)."""
+
+    text: str = ""
+    role: str | None = None
+    channel: str | None = None
+    recipient: str | None = None
+    content_type: str | None = None
+
+    @property
+    def is_call(self) -> bool:
+        """Addressed to a tool (``functions.NAME``, a built-in ``browser.search``, ``python``):
+        neither reasoning nor answer, whatever its channel. A tool's own reply is addressed
+        ``to=assistant``."""
+        return self.recipient is not None and self.recipient != "assistant"
+
+    @property
+    def is_reasoning(self) -> bool:
+        """An ``analysis`` body that calls nothing: the chain of thought."""
+        return self.channel == "analysis" and not self.is_call
+
+    def opening(self) -> str:
+        """The header as the start of a whole message: ``<|start|>ROLE`` put back in front
+        when the reply's header went on from the role its prompt wrote."""
+        if self.text.startswith(START) or self.role is None:
+            return self.text
+        return f"{START}{self.role}{self.text}"
+
+
+OUTSIDE = HarmonyHeader()  # the "header" of text outside any message
+
+
+@dataclass(frozen=True, slots=True)
+class HarmonyPiece:
+    """A piece of one message's body, with that message's header. ``first``: the first piece
+    of the message this parser hands out (its header is whole; the text may be empty). ``end``
+    is set on the message's last piece: the marker that closed it (``<|end|>``,
+    ``<|return|>``, ``<|call|>``; ``<|start|>`` when the next message began without one;
+    ``""`` when the reply ended inside it); None while it goes on."""
+
+    header: HarmonyHeader
+    text: str = ""
+    first: bool = False
+    end: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class HarmonyCall:
+    """A message the reply addressed to a tool: its recipient (``functions.get_weather``), its
+    body as written (JSON arguments for a function) and its header's content type."""
+
+    recipient: str
+    arguments: str
+    content_type: str | None = None
+
+
+_ROLE = re.compile(r"[^\s<]*")  # a role (or channel name) runs to a space or the next marker
+# after the role the prompt wrote, the reply may go on with the recipient:
+# "<|start|>assistant" + " to=functions.get_weather<|channel|>commentary json<|message|>..."
+RECIPIENT_LEAD = " to="
+
+
+def read_header(text: str, role: str | None = None) -> HarmonyHeader:
+    """The fields of a header written as ``text`` (through ``<|message|>``); ``role``: the
+    one the prompt wrote when the header goes on from it (a ``<|start|>`` in ``text`` names its own)."""
+    rest = text[: -len(MESSAGE)] if text.endswith(MESSAGE) else text
+    if rest.startswith(START):
+        role = _word(rest, len(START))
+        rest = rest[len(START) + len(role):]
+    channel = None
+    at = rest.find(CHANNEL)
+    if at >= 0:
+        channel = _word(rest, at + len(CHANNEL))
+        rest = f"{rest[:at]} {rest[at + len(CHANNEL) + len(channel):]}"
+    words = rest.replace(CONSTRAIN, " ").split()
+    recipient = next((w[len("to="):] for w in words if w.startswith("to=")), None)
+    kind = " ".join(w for w in words if not w.startswith("to="))
+    return HarmonyHeader(text, role or None, channel or None, recipient or None, kind or None)
+
+
+def _word(text: str, at: int) -> str:
+    m = _ROLE.match(text, at)
+    return m.group() if m else ""
+
+
 class HarmonyParser(ReasoningParser):
     """gpt-oss's harmony messages, read from text that keeps the special tokens.
 
     A reply is a run of messages: a header (``<|start|>`` role, ``<|channel|>`` name, maybe a
     recipient and ``<|constrain|>``) up to ``<|message|>``, then a body up to ``<|end|>``,
-    ``<|return|>`` or ``<|call|>`` (or a new ``<|start|>``, or the reply's end). Bodies on the
-    ``analysis`` channel are reasoning; every other body (``final``, ``commentary``, a message
-    with no channel) is content. Text outside any message (a model that skips the format) is
-    content. A header cut off by the reply's end is structure, not text, and is dropped.
-    Between messages, and after the role the prompt wrote, a header starts with one of its
-    markers (``<|start|>``, ``<|channel|>``, ``<|message|>``, ``<|constrain|>``)."""
+    ``<|return|>`` or ``<|call|>`` (or a new ``<|start|>``, or the reply's end). Text outside
+    any message (a model that skips the format) is a message of its own with an empty header
+    (``OUTSIDE``). A header cut off by the reply's end is structure, not text, and is dropped;
+    one that runs past ``MAX_HEADER_CHARS`` without ``<|message|>`` was no header, and is
+    text outside. Between messages a header starts with one of its markers (``<|start|>``,
+    ``<|channel|>``, ``<|message|>``, ``<|constrain|>``); right after the role the prompt
+    wrote, also with the recipient (`` to=``).
 
-    __slots__ = ("_state", "_held", "_to_reasoning")
-    _BETWEEN, _HEADER, _BODY = range(3)
+    Two readings of the same stream: ``messages``/``finish_messages`` hand out each message's
+    body in pieces with its header (``HarmonyPiece``); ``feed``/``finish`` fold them into
+    reasoning (``analysis`` bodies) and content (every other body, and text outside), while a
+    message addressed to a tool (``HarmonyHeader.is_call``) goes to neither: it is read into
+    ``calls``. Invariant of both: over any split of a reply into chunks, the pieces of each
+    message join to the same body with the same header and end, and so the deltas and
+    ``calls`` are those of the reply fed whole. Use one reading per parser."""
+
+    __slots__ = ("_state", "_held", "_role", "_head_role", "_header", "_shown", "_calls")
+    _BETWEEN, _AFTER_ROLE, _HEADER, _BODY = range(4)
     _BODY_ENDS = (*ENDS, START)
     # what a header starts with (the role comes after <|start|>; a prompt may have written it)
     _HEAD_STARTS = (START, CHANNEL, MESSAGE, CONSTRAIN)
@@ -209,74 +315,117 @@ class HarmonyParser(ReasoningParser):
     def __init__(self, prompt_tail: str = "") -> None:
         self._state = self._BETWEEN
         self._held = ""
-        self._to_reasoning = False
+        self._role: str | None = None  # the role the prompt wrote for the reply
+        self._head_role: str | None = None  # the role of the header being read, when not its own
+        self._header = OUTSIDE  # the message whose body is being read
+        self._shown = False  # whether a piece of that message has been handed out
+        self._calls: list[tuple[HarmonyHeader, list[str]]] = []
         # The prompt ends inside the assistant's turn: "<|start|>assistant", maybe with a header
         # or a whole message a template wrote after it. Reading what follows the role leaves the
         # parser where the reply begins.
         at = prompt_tail.rfind(START)
         if at >= 0:
             seg = prompt_tail[at + len(START):]
-            role_end = min((i for m in self._HEAD_STARTS if (i := seg.find(m)) >= 0), default=len(seg))
-            self.feed(seg[role_end:])
+            role = _word(seg, 0)
+            self._role, self._state = role or None, self._AFTER_ROLE
+            self._read(seg[len(role):], [])  # the prompt's own text: nobody's delta
+            self._shown = False
 
-    def feed(self, text: str) -> ReasoningDelta:
-        out = _Out()
+    # ---- the messages, piece by piece ----
+
+    def messages(self, text: str) -> list[HarmonyPiece]:
+        """The pieces of message bodies that ``text``, the reply's next chunk, completes
+        (a marker cut across chunks is held back until it is whole or cannot be one)."""
+        out: list[HarmonyPiece] = []
+        self._read(text, out)
+        return out
+
+    def finish_messages(self) -> list[HarmonyPiece]:
+        """The reply's end: the last message's last piece (``end=""``), with what was held back."""
+        out: list[HarmonyPiece] = []
+        held, self._held = self._held, ""
+        if self._state == self._AFTER_ROLE and held and RECIPIENT_LEAD.startswith(held):
+            self._open(OUTSIDE)  # " to" that never became a recipient: text
+        if self._state == self._BODY:
+            self._emit(out, held, "")
+        # otherwise a header, or a partial "<|start|>" / "<|channel|>", that the reply ended on: no message
+        self._state = self._BETWEEN
+        return out
+
+    def _open(self, header: HarmonyHeader) -> None:
+        self._header, self._shown, self._state = header, False, self._BODY
+
+    def _emit(self, out: list[HarmonyPiece], text: str, end: str | None = None) -> None:
+        if text or end is not None or not self._shown:
+            out.append(HarmonyPiece(self._header, text, not self._shown, end))
+            self._shown = True
+
+    def _read(self, text: str, out: list[HarmonyPiece]) -> None:
         buf, self._held = self._held + text, ""
         while buf:
-            if self._state == self._BETWEEN:
-                if buf.startswith(self._HEAD_STARTS):
+            if self._state in (self._BETWEEN, self._AFTER_ROLE):
+                starts = self._HEAD_STARTS + ((RECIPIENT_LEAD,) if self._state == self._AFTER_ROLE else ())
+                if buf.startswith(starts):
+                    self._head_role = self._role if self._state == self._AFTER_ROLE else None
                     self._state = self._HEADER
-                elif any(m.startswith(buf) for m in self._HEAD_STARTS):
+                elif any(m.startswith(buf) for m in starts):
                     self._held = buf
                     break
-                else:  # text outside the format: the answer
-                    self._state, self._to_reasoning = self._BODY, False
+                else:  # text outside the format
+                    self._open(OUTSIDE)
             elif self._state == self._HEADER:
                 at = buf.find(MESSAGE)
                 if 0 <= at < MAX_HEADER_CHARS:
-                    self._to_reasoning = _channel(buf[:at]) == "analysis"
-                    buf, self._state = buf[at + len(MESSAGE):], self._BODY
+                    end = at + len(MESSAGE)
+                    self._open(read_header(buf[:end], self._head_role))
+                    self._emit(out, "")  # the header is whole: a reader may act on it now
+                    buf = buf[end:]
                 elif at >= 0 or len(buf) >= MAX_HEADER_CHARS + len(MESSAGE):
-                    self._state, self._to_reasoning = self._BODY, False  # not a header after all
-                    out.content.append(buf[:MAX_HEADER_CHARS])
+                    self._open(OUTSIDE)  # not a header after all
+                    self._emit(out, buf[:MAX_HEADER_CHARS])
                     buf = buf[MAX_HEADER_CHARS:]
                 else:
                     self._held = buf
                     break
             else:
-                side = out.reasoning if self._to_reasoning else out.content
                 ends = [(i, m) for m in self._BODY_ENDS if (i := buf.find(m)) >= 0]
                 if ends:
                     at, marker = min(ends)
-                    side.append(buf[:at])
-                    if marker == START:
-                        buf, self._state = buf[at:], self._HEADER
+                    self._emit(out, buf[:at], marker)
+                    if marker == START:  # the next header begins with it
+                        buf, self._state, self._head_role = buf[at:], self._HEADER, None
                     else:
                         buf, self._state = buf[at + len(marker):], self._BETWEEN
                     continue
                 keep = _partial_suffix(buf, self._BODY_ENDS)
-                side.append(buf[: len(buf) - keep])
+                self._emit(out, buf[: len(buf) - keep])
                 self._held = buf[len(buf) - keep:]
                 break
-        return out.delta()
+
+    # ---- reasoning, answer and calls ----
+
+    @property
+    def calls(self) -> list[HarmonyCall]:
+        """The messages read so far that were addressed to a tool, in order (the last one's
+        arguments may still be growing)."""
+        return [HarmonyCall(h.recipient or "", "".join(body), h.content_type) for h, body in self._calls]
+
+    def feed(self, text: str) -> ReasoningDelta:
+        return self._fold(self.messages(text))
 
     def finish(self) -> ReasoningDelta:
-        held, self._held = self._held, ""
-        if self._state == self._BODY:
-            return ReasoningDelta(held, "") if self._to_reasoning else ReasoningDelta("", held)
-        # a header, or a partial "<|start|>" / "<|channel|>", that the reply ended on: no message
-        return ReasoningDelta()
+        return self._fold(self.finish_messages())
 
-
-def _channel(header: str) -> str | None:
-    """The channel a harmony header names ("analysis", "final", "commentary"), or None."""
-    at = header.find(CHANNEL)
-    if at < 0:
-        return None
-    name = header[at + len(CHANNEL):]
-    for stop in (" ", "<|"):
-        name = name.split(stop, 1)[0]
-    return name.strip()
+    def _fold(self, pieces: list[HarmonyPiece]) -> ReasoningDelta:
+        out = _Out()
+        for p in pieces:
+            if p.header.is_call:
+                if p.first:
+                    self._calls.append((p.header, []))
+                self._calls[-1][1].append(p.text)
+            else:
+                (out.reasoning if p.header.is_reasoning else out.content).append(p.text)
+        return out.delta()
 
 
 @dataclass(frozen=True, slots=True)

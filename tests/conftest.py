@@ -20,6 +20,29 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub here; the store falls bac
 # engine. tests/engine/test_compiled.py turns it back on to check compiled == eager.
 os.environ.setdefault("LOCALLLM_NO_COMPILE", "1")
 
+
+def _import_hf_kernels() -> None:
+    """transformers >= 5.25 depends on Hugging Face's ``kernels`` package and imports it with
+    itself; this repository's own ``kernels/`` folder (installed as ``localllm.kernels``) sits
+    on sys.path in a test run (the root, for ``tests.*``) and would be imported under that name
+    instead (ImportError: cannot import name 'CUDAProperties'). Import the installed one first,
+    with the root off the path, so ``kernels`` names it for the session."""
+    import importlib
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    saved = sys.path[:]
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != root]
+    try:
+        importlib.import_module("kernels")
+    except ImportError:  # not installed (transformers < 5.25): nothing to shadow
+        pass
+    finally:
+        sys.path[:] = saved
+
+
+_import_hf_kernels()
+
 import functools  # noqa: E402
 import inspect  # noqa: E402
 import re  # noqa: E402

@@ -55,6 +55,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from localllm.cli_common import positive_int
+
 from .build import ENV_DIR, build_llama_cpp, find_llama_cpp, peers_cache
 from .environment import PeerError, machine
 from .processes import llama_cpp_python_available
@@ -72,16 +74,6 @@ def _measures(text: str) -> tuple[str, ...]:
     return tuple(m for m in known if m in items)  # the documented order, whatever the order given
 
 
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be at least 1")
-    return n
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="bench/peers.py", description=(__doc__ or "").split("\n\n")[0],
@@ -91,12 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", "-m", default=None,
                    help="a GGUF file or a pulled GGUF model's name (default: the default model's file in the store)")
     p.add_argument("--only", type=_measures, default=MEASURES, help="comma-separated measures (default: all)")
-    p.add_argument("--trials", type=_positive, default=3, help="interleaved trials per measure (default 3)")
-    p.add_argument("--threads", "-t", type=_positive, default=None,
+    p.add_argument("--trials", type=positive_int, default=3, help="interleaved trials per measure (default 3)")
+    p.add_argument("--threads", "-t", type=positive_int, default=None,
                    help="threads for both (llama.cpp -t, our OMP_NUM_THREADS; default: the CPUs this process may use)")
-    p.add_argument("--tokens", type=_positive, default=128, help="tokens per decode and per stream (default 128)")
-    p.add_argument("--prefill-tokens", type=_positive, default=512, help="cold prefill length (default 512)")
-    p.add_argument("--prefix-tokens", type=_positive, default=1516, help="prefix-cache prompt length (default 1516)")
+    p.add_argument("--tokens", type=positive_int, default=128, help="tokens per decode and per stream (default 128)")
+    p.add_argument("--prefill-tokens", type=positive_int, default=512, help="cold prefill length (default 512)")
+    p.add_argument("--prefix-tokens", type=positive_int, default=1516, help="prefix-cache prompt length (default 1516)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto", help="ours")
     p.add_argument("--quant", default=None, help="ours: int8, rtn4, ... (default: the plan's)")
     p.add_argument("--llama-cpp-dir", type=Path, default=None,
@@ -104,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--build", action="store_true",
                    help="build llama-server, llama-bench and llama-quantize into the user cache from the "
                         "llama-cpp-python sdist")
-    p.add_argument("--ready-timeout", type=_positive, default=600, help="seconds a server may take to load (default 600)")
+    p.add_argument("--ready-timeout", type=positive_int, default=600,
+                   help="seconds a server may take to load (default 600)")
     p.add_argument("--json", action="store_true", help="print the full report as JSON")
     return p
 

@@ -6,6 +6,7 @@
 #include <ATen/EmptyTensor.h>
 #include <torch/library.h>
 
+#include <string>
 #include <vector>
 
 #include "attention.h"
@@ -17,6 +18,11 @@
 
 namespace localllm_cpu {
 namespace {
+
+// Numbers in a check's message go through std::to_string, never an ostream: on a GPU machine
+// (g++ 13.3, torch 2.11) the ostream integer insert this file instantiated called a codecvt
+// facet's method in place of num_put's and segfaulted inside the failing check (cuda-gdb,
+// 2026-12-04); string pieces were fine there.
 
 // A new CPU tensor, uninitialised: at::detail::empty_cpu (what at::empty's CPU kernel calls)
 // rather than at::empty, whose header (ATen/ops/empty.h, through ATen/Context.h) added ~0.6 s
@@ -53,8 +59,8 @@ at::Tensor paged_attention_op(const at::Tensor& q, const at::Tensor& k_cache, co
   check_cache(v_cache, "v_cache");
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "q must be fp32 [T, H, D]");
   const int64_t H = q.size(1), D = q.size(2), block_size = k_cache.size(1), KVH = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == D && D <= kMaxHeadDim, "head_dim mismatch or above ", kMaxHeadDim);
-  TORCH_CHECK(block_size <= kMaxBlock, "block_size above ", kMaxBlock);
+  TORCH_CHECK(k_cache.size(3) == D && D <= kMaxHeadDim, "head_dim mismatch or above ", std::to_string(kMaxHeadDim));
+  TORCH_CHECK(block_size <= kMaxBlock, "block_size above ", std::to_string(kMaxBlock));
   TORCH_CHECK(H % KVH == 0 && H / KVH <= kMaxGroup, "query heads must be a multiple of KV heads (at most 16 per KV head)");
   const auto qc = q.contiguous();
   const auto qsl = query_start_loc.to(at::kInt).contiguous();
@@ -147,7 +153,7 @@ at::Tensor dense_linear_op(const at::Tensor& x, const at::Tensor& weight, const 
 
 gguf::Layout checked_layout(int64_t type) {
   const gguf::Layout l = gguf::layout(type);
-  TORCH_CHECK(l.block_weights > 0, "GGUF block type ", type, " has no CPU kernel");
+  TORCH_CHECK(l.block_weights > 0, "GGUF block type ", std::to_string(type), " has no CPU kernel");
   return l;
 }
 
@@ -214,7 +220,7 @@ at::Tensor gguf_linear_grouped_op(const at::Tensor& x, const at::TensorList pack
   int64_t N = 0, K = 0;
   const gguf::Packed w = packed_view(packed, type, N, K);
   const int64_t E = offsets.numel() - 1;
-  TORCH_CHECK(N % (E * 8) == 0, "the packed rows do not split into ", E, " experts of whole 8-row tiles");
+  TORCH_CHECK(N % (E * 8) == 0, "the packed rows do not split into ", std::to_string(E), " experts of whole 8-row tiles");
   TORCH_CHECK(x.size(1) == K, "x does not match the packed weight");
   const auto oc = offsets.contiguous();
   const int64_t* o = oc.data_ptr<int64_t>();
@@ -252,7 +258,7 @@ at::Tensor gguf_moe_experts_op(const at::Tensor& x, const at::Tensor& weights, c
   }
   const auto check_bias = [&](const std::optional<at::Tensor>& b, int64_t n) -> const float* {
     if (!b.has_value()) return nullptr;
-    TORCH_CHECK(b->scalar_type() == at::kFloat && b->is_contiguous() && b->numel() == E * n, "an expert bias must be fp32 [E, ", n, "]");
+    TORCH_CHECK(b->scalar_type() == at::kFloat && b->is_contiguous() && b->numel() == E * n, "an expert bias must be fp32 [E, ", std::to_string(n), "]");
     return b->data_ptr<float>();
   };
   const float* b13p = check_bias(b13, 2 * I);

@@ -19,9 +19,10 @@ Speculative decoding (``engine/spec_decode.py``), when configured: after the run
 are placed, each may take k proposed tokens from an n-gram lookup in its own tokens or from
 the draft model (``drafter``, run here: proposals are part of the schedule) (k from
 its measured acceptance and the measured cost of extra rows, 0 in batches above
-``disable_by_batch_size``, never at the cost of a preemption); ``append`` then takes the tokens
-the verification kept one at a time, counting as computed only the positions of accepted
-tokens, and ``end_verify`` gives back the blocks past them.
+``disable_by_batch_size`` sequences, counting the waiting ones that have a slot, never at the
+cost of a preemption); ``append`` then takes the tokens the verification kept one at a time,
+counting as computed only the positions of accepted tokens, and ``end_verify`` gives back the
+blocks past them.
 """
 
 from __future__ import annotations
@@ -180,11 +181,11 @@ class Scheduler:
             if seq.spec is not None:
                 seq.spec.drafts = []
         config = self.speculative
-        if config is None:
-            return 0
-        decodes = [i for i, (seq, n) in enumerate(chosen) if n == 1 and seq.num_computed_tokens == seq.num_tokens - 1]
-        if not decodes or len(self.running) > config.disable_by_batch_size:
+        if config is None or self._batch_size() > config.disable_by_batch_size:
             return 0  # a large batch: its steps are compute-bound (the index catches up later)
+        decodes = [i for i, (seq, n) in enumerate(chosen) if n == 1 and seq.num_computed_tokens == seq.num_tokens - 1]
+        if not decodes:
+            return 0
         if config.method == "draft_model":
             return self._propose_drafts(chosen, decodes, budget, config)
         proposals: list[list[int]] = []
@@ -208,6 +209,13 @@ class Scheduler:
             chosen[i] = (seq, 1 + k)
             added += k
         return added
+
+    def _batch_size(self) -> int:
+        """The sequences the batch holds for ``disable_by_batch_size``: the running ones and the
+        waiting ones that have a slot (vLLM counts enqueued requests). Counting the running ones
+        alone let the first request of a burst verify proposals in the very step the rest joined
+        (the bench's 16 streams: 1 running, 15 waiting)."""
+        return min(len(self.running) + len(self.waiting), self.max_num_seqs)
 
     def _propose_drafts(self, chosen: list[tuple[Sequence, int]], decodes: list[int], budget: int,
                         config: SpeculativeConfig) -> int:

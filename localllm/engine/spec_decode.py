@@ -22,10 +22,10 @@ Three pieces, each with one writer:
 
 Pays or steps aside: k is the one that maximizes expected tokens per step over the step's
 measured cost (``choose_k``); a request whose best gain is below 1 does not speculate, and a
-batch above ``disable_by_batch_size`` sequences does not either (its steps are compute-bound:
-extra rows cost nearly what they yield). While a request does not speculate, its proposals
-are still made and checked against the token that came ("shadow" acceptance), so it starts
-again when its reply begins to copy.
+batch above ``disable_by_batch_size`` sequences, the waiting ones that have a slot counted in,
+does not either (its steps are compute-bound: extra rows cost nearly what they yield). While
+a request does not speculate, its proposals are still made and checked against the token
+that came ("shadow" acceptance), so it starts again when its reply begins to copy.
 """
 
 from __future__ import annotations
@@ -52,8 +52,9 @@ class SpeculativeConfig:
     ``{"method": "draft_model", "model": path_or_id, "num_speculative_tokens": k}``. ``k`` is the
     most tokens proposed in one step (the adaptive k stays at or below it); an n-gram of
     ``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens is looked up; above ``b``
-    running sequences nothing is proposed. The method left out is "draft_model" when a
-    ``model`` is given (as vLLM infers it), else "ngram"."""
+    sequences running or waiting (as many as ``max_num_seqs`` leaves slots for) nothing is
+    proposed. The method left out is "draft_model" when a ``model`` is given (as vLLM infers
+    it), else "ngram"."""
 
     method: str | None = None
     model: str | None = None  # the draft model (method "draft_model")

@@ -20,7 +20,7 @@ from torch import nn
 
 from localllm.errors import LocalLLMError
 from localllm.kernels import cpu_ops, paged_attention, rms_norm, rotary, rotary_and_store_kv, silu_and_mul
-from localllm.kernels._triton import use_triton
+from localllm.kernels._triton import FP8_DTYPES as FP8_KV_DTYPES, use_triton
 from localllm.models.config import ROPE_TYPES, ModelConfig
 from localllm.models.kv_spec import LayerKVSpec
 from localllm.models.moe import MoE
@@ -134,9 +134,6 @@ def kv_scale_tensor(
         assert len(scales) == num_layers, "one (k_scale, v_scale) per layer"
         t.copy_(torch.tensor(scales, dtype=torch.float32).t().unsqueeze(-1))
     return t
-
-
-FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def key_rotation(head_dim: int, device: torch.device) -> torch.Tensor:

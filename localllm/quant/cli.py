@@ -6,17 +6,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from localllm.cli_common import QUANT_METHODS
-
-
-def _positive(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"{value} must be positive")
-    return n
+from localllm.cli_common import QUANT_METHODS, positive_int
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -29,8 +19,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--method", required=True, help=f"one of {QUANT_METHODS}")
     p.add_argument("-o", "--output", required=True, help="folder to write the HF checkpoint to")
     p.add_argument("--calib", default=None, help="calibration text for awq (default: the Apache-2.0 license text)")
-    p.add_argument("--calib-tokens", type=_positive, default=8192, help="calibration tokens for awq (default 8192)")
-    p.add_argument("--group-size", type=_positive, default=None,
+    p.add_argument("--calib-tokens", type=positive_int, default=8192, help="calibration tokens for awq (default 8192)")
+    p.add_argument("--group-size", type=positive_int, default=None,
                    help="int4 group size (default: the largest of 128/64/32 dividing every input dim)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.set_defaults(func=run_quantize)
@@ -45,10 +35,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--quant", default="none,fp8,int8,awq,rtn4",
                    help=f"comma-separated modes: none, {QUANT_METHODS} (default: all but int8-w8a8)")
     p.add_argument("--calib", default=None, help="calibration text for awq; must differ from --text")
-    p.add_argument("--calib-tokens", type=_positive, default=8192, help="calibration tokens for awq (default 8192)")
-    p.add_argument("--group-size", type=_positive, default=None, help="int4 group size (awq, rtn4)")
-    p.add_argument("--max-tokens", type=_positive, default=None, help="evaluate at most this many tokens of --text")
-    p.add_argument("--window", type=_positive, default=512, help="perplexity window in tokens (default 512)")
+    p.add_argument("--calib-tokens", type=positive_int, default=8192, help="calibration tokens for awq (default 8192)")
+    p.add_argument("--group-size", type=positive_int, default=None, help="int4 group size (awq, rtn4)")
+    p.add_argument("--max-tokens", type=positive_int, default=None, help="evaluate at most this many tokens of --text")
+    p.add_argument("--window", type=positive_int, default=512, help="perplexity window in tokens (default 512)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                    help="float dtype of the unquantized parts (auto: float32 on cpu, bfloat16 on cuda)")

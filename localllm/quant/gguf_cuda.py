@@ -24,9 +24,6 @@ module rebuilds it from them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import torch
 
 from localllm.errors import LocalLLMError
@@ -37,18 +34,18 @@ from localllm.kernels.gguf_linear import (
     dequantize_rows,
     gguf_linear,
     gpu_layout,
-    pack_gguf_blocks,
 )
 from localllm.quant import gguf_formats as gf
 from localllm.quant.gguf import GGUFBlocks, quantize_blocks, shard_blocks
 from localllm.quant.gguf_experts_cuda import GGUFExpertsCUDA
+from localllm.quant.gguf_packed import PackedBlocks
 from localllm.quant.gguf_modules import BlockKernels
 from localllm.quant.linear import QuantLinear
 
 __all__ = ["TRITON", "GGUFLinearCUDA"]
 
 
-class GGUFLinearCUDA(QuantLinear):
+class GGUFLinearCUDA(PackedBlocks, QuantLinear):
     """One linear in a GGUF block type on the GPU's Triton kernels, fused shards concatenated
     by rows (a row's blocks are independent of every other row's).
 
@@ -76,9 +73,8 @@ class GGUFLinearCUDA(QuantLinear):
             raise LocalLLMError(f"a {f.name} linear needs in_features % {f.block_weights} == 0, got {in_features}")
         self.block_type = int(block_type)
         self.fmt = f.name
-        self.register_buffer("blocks", torch.empty(0, dtype=torch.uint8))
+        self.init_blocks()
         self._raw: torch.Tensor | None = None  # the file's blocks while shards arrive, on the device
-        self.packed: GGUFPacked | None = None
 
     # ---- loading ----
 
@@ -96,19 +92,8 @@ class GGUFLinearCUDA(QuantLinear):
         self._raw_blocks().copy_(quantize_blocks(weight, self.block_type))
 
     def _finish_loading(self) -> None:
-        packed = pack_gguf_blocks(self._raw_blocks(), self.fmt)
+        self.install_packed(self._raw_blocks())
         self._raw = None  # the packed tensors hold the same bytes; keep one copy
-        del self._buffers["blocks"]
-        for name, t in packed.tensors().items():
-            self.register_buffer(name, t)
-        self.packed = packed
-
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:  # noqa: ANN401
-        super()._apply(fn, recurse)
-        if self.packed is not None:  # the buffers moved: the packed view follows them
-            self.packed = GGUFPacked.from_tensors(self.fmt, self.out_features, self.in_features,
-                                                  {n: self._buffers[n] for n in self.packed.tensors()})
-        return self
 
     def _loaded(self) -> GGUFPacked:
         if self.packed is None:

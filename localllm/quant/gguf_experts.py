@@ -39,6 +39,25 @@ from localllm.quant import gguf_formats as gf
 from localllm.quant.gguf import ACT_LEVELS, TILE, GGUFBlocks, packed_layout, quantize_blocks
 
 
+def shard_of_experts(tensor: torch.Tensor | GGUFBlocks, block_type: int, experts: int, n: int,
+                     in_features: int) -> torch.Tensor:
+    """One shard (``n`` rows) of all ``experts`` experts as ``block_type`` blocks, uint8
+    [E, n, row_bytes]: the file's blocks as they are (data [E, n, row_bytes] or [E * n,
+    row_bytes]) or a float [E, n, K] weight rounded here on the CPU. One-line errors for a
+    tensor that does not fit."""
+    E, K = experts, in_features
+    row_bytes = gf.fmt(block_type).row_bytes(K)
+    if isinstance(tensor, GGUFBlocks):
+        if tensor.type != block_type or tensor.data.numel() != E * n * row_bytes:
+            raise LocalLLMError(
+                f"GGUF experts {gf.type_name(tensor.type)} {tuple(tensor.data.shape)} do not fit "
+                f"{E} {gf.type_name(block_type)} experts of {n}x{K}")
+        return tensor.data.reshape(E, n, row_bytes)
+    if tuple(tensor.shape) != (E, n, K):
+        raise LocalLLMError(f"expert weights of shape {tuple(tensor.shape)}, expected {(E, n, K)}")
+    return quantize_blocks(tensor.reshape(E * n, K), block_type).reshape(E, n, row_bytes)
+
+
 class StackedBlocks(nn.Module):
     """One projection of all ``experts`` experts in one block type: ``shard_rows`` output rows
     per expert (``[I, I]`` for gate and up fused, ``[I]`` or ``[H]`` alone) of ``in_features``.
@@ -67,22 +86,11 @@ class StackedBlocks(nn.Module):
     def load(self, shard: int, tensor: torch.Tensor | GGUFBlocks) -> None:
         """Shard ``shard`` of every expert: the file's blocks (``GGUFBlocks`` of this type, data
         [E, n, row_bytes] or [E * n, row_bytes]) or a float [E, n, K] weight, rounded here."""
-        n, E, K = self.shard_rows[shard], self.experts, self.in_features
-        row_bytes = gf.fmt(self.block_type).row_bytes(K)
-        if isinstance(tensor, GGUFBlocks):
-            if tensor.type != self.block_type or tensor.data.numel() != E * n * row_bytes:
-                raise LocalLLMError(
-                    f"GGUF experts {gf.type_name(tensor.type)} {tuple(tensor.data.shape)} do not fit "
-                    f"{E} {gf.type_name(self.block_type)} experts of {n}x{K}")
-            blocks = tensor.data.reshape(E, n, row_bytes)
-        else:
-            if tuple(tensor.shape) != (E, n, K):
-                raise LocalLLMError(f"expert weights of shape {tuple(tensor.shape)}, expected {(E, n, K)}")
-            blocks = quantize_blocks(tensor.reshape(E * n, K), self.block_type).reshape(E, n, row_bytes)
+        blocks = shard_of_experts(tensor, self.block_type, self.experts, self.shard_rows[shard], self.in_features)
         if self._raw is None:
-            self._raw = torch.empty(E, self.rows, row_bytes, dtype=torch.uint8)
+            self._raw = torch.empty(self.experts, self.rows, blocks.shape[2], dtype=torch.uint8)
         start = sum(self.shard_rows[:shard])
-        self._raw[:, start:start + n].copy_(blocks)
+        self._raw[:, start:start + blocks.shape[1]].copy_(blocks)
         self._pending.discard(shard)
         if not self._pending:
             self._repack()

@@ -12,9 +12,10 @@ and up of one type are one [E, 2I, K] set (expert e's gate rows then its up rows
 ``forward`` routes as ``models/moe.py``'s ``moe_experts`` does (rows sorted by expert), then
 runs each projection in one launch over every routed expert's rows (``gguf_grouped``: the
 Triton grouped kernel, its torch reference off the GPU), the activation (gpt-oss's biases and
-clamped SwiGLU too) on all rows at once between them. The expert boundaries come from a
-``searchsorted`` on the device and the launch grid from the row count alone, so nothing is
-read back to the host: a decode bucket's CUDA graph can capture it.
+clamped SwiGLU too) on all rows at once between them; a call with a few rows (a one-token
+decode) skips the sort and runs each (token, k) row as its own tile (``per_row_routing``).
+The expert boundaries come from a ``searchsorted`` on the device and the launch grid from the
+row count alone, so nothing is read back to the host: a decode bucket's CUDA graph can capture it.
 
 Invariant: after loading, the packed buffers are the only copy of the experts' weights (the
 ``MoE``'s float ``w13``/``w2`` are None) and hold exactly the file's expert bytes, a type
@@ -23,24 +24,28 @@ without a GPU kernel at ``gguf_formats.FALLBACK``'s size (rounded again on the C
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import torch
-from torch import nn
 
 from localllm.errors import LocalLLMError
-from localllm.kernels.gguf_linear import GGUFPacked, dequantize_packed, gguf_grouped, gpu_layout, pack_gguf_blocks
+from localllm.kernels._triton import gpu_tiles
+from localllm.kernels.gguf_linear import (
+    GGUFPacked,
+    dequantize_packed,
+    gguf_grouped,
+    gpu_layout,
+    per_row_routing,
+    route_rows,
+)
 from localllm.models.moe import activate
 from localllm.quant import gguf_formats as gf
-from localllm.quant.gguf import GGUFBlocks, quantize_blocks
-from localllm.quant.gguf_experts import GGUFExperts
+from localllm.quant.gguf import GGUFBlocks
+from localllm.quant.gguf_experts import GGUFExperts, shard_of_experts
+from localllm.quant.gguf_packed import PackedBlocks
 
 
-class StackedBlocksCUDA(nn.Module):
+class StackedBlocksCUDA(PackedBlocks):
     """One projection of all ``experts`` experts in one block type: ``shard_rows`` output rows
-    per expert of ``in_features``. Before loading it holds one empty uint8 buffer, ``blocks``
-    (``to_empty`` puts it on the model's device, where the file's blocks are copied)."""
+    per expert of ``in_features``, its blocks on the device (``PackedBlocks``)."""
 
     def __init__(self, experts: int, shard_rows: list[int], in_features: int, block_type: int) -> None:
         super().__init__()
@@ -54,49 +59,23 @@ class StackedBlocksCUDA(nn.Module):
         self.experts, self.shard_rows, self.in_features = experts, list(shard_rows), in_features
         self.rows = sum(shard_rows)  # per expert
         self.block_type, self.fmt = int(block_type), f.name
-        self.register_buffer("blocks", torch.empty(0, dtype=torch.uint8))
+        self.init_blocks()
         self._raw: torch.Tensor | None = None  # the file's blocks [E, rows, row_bytes] while shards arrive
         self._pending = set(range(len(shard_rows)))
-        self.packed: GGUFPacked | None = None
 
     def load(self, shard: int, tensor: torch.Tensor | GGUFBlocks) -> None:
         """Shard ``shard`` of every expert: the file's blocks (data [E, n, row_bytes] or
         [E * n, row_bytes] of this type) or a float [E, n, K] weight, rounded here on the CPU."""
-        n, E, K = self.shard_rows[shard], self.experts, self.in_features
-        row_bytes = gf.fmt(self.block_type).row_bytes(K)
-        if isinstance(tensor, GGUFBlocks):
-            if tensor.type != self.block_type or tensor.data.numel() != E * n * row_bytes:
-                raise LocalLLMError(
-                    f"GGUF experts {gf.type_name(tensor.type)} {tuple(tensor.data.shape)} do not fit "
-                    f"{E} {self.fmt} experts of {n}x{K}")
-            blocks = tensor.data.reshape(E, n, row_bytes)
-        else:
-            if tuple(tensor.shape) != (E, n, K):
-                raise LocalLLMError(f"expert weights of shape {tuple(tensor.shape)}, expected {(E, n, K)}")
-            blocks = quantize_blocks(tensor.reshape(E * n, K), self.block_type).reshape(E, n, row_bytes)
+        blocks = shard_of_experts(tensor, self.block_type, self.experts, self.shard_rows[shard], self.in_features)
         if self._raw is None:
-            self._raw = torch.empty(E, self.rows, row_bytes, dtype=torch.uint8, device=self.blocks.device)
+            self._raw = torch.empty(self.experts, self.rows, blocks.shape[2], dtype=torch.uint8,
+                                    device=self.blocks.device)
         start = sum(self.shard_rows[:shard])
-        self._raw[:, start:start + n].copy_(blocks)  # host to device, from the file's pages
+        self._raw[:, start:start + blocks.shape[1]].copy_(blocks)  # host to device, from the file's pages
         self._pending.discard(shard)
         if not self._pending:
-            self._finish_loading()
-
-    def _finish_loading(self) -> None:
-        assert self._raw is not None
-        packed = pack_gguf_blocks(self._raw.view(self.experts * self.rows, -1), self.fmt)
-        self._raw = None  # the packed tensors hold the same bytes; keep one copy
-        del self._buffers["blocks"]
-        for name, t in packed.tensors().items():
-            self.register_buffer(name, t)
-        self.packed = packed
-
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:  # noqa: ANN401
-        super()._apply(fn, recurse)
-        if self.packed is not None:  # the buffers moved: the packed view follows them
-            self.packed = GGUFPacked.from_tensors(self.fmt, self.packed.out_features, self.in_features,
-                                                  {n: self._buffers[n] for n in self.packed.tensors()})
-        return self
+            self.install_packed(self._raw.view(self.experts * self.rows, -1))
+            self._raw = None
 
     @property
     def missing(self) -> list[int]:
@@ -127,20 +106,29 @@ class GGUFExpertsCUDA(GGUFExperts):
         """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]), [T, H] fp32 (``moe_experts``'s result)."""
         T, k = ids.shape
         E = self.experts
+        on_gpu = gpu_tiles(x)
         flat = ids.flatten()
-        order = torch.argsort(flat, stable=True)
-        expert = flat.index_select(0, order)  # each sorted row's expert
-        offsets = torch.searchsorted(expert, torch.arange(E + 1, device=x.device, dtype=expert.dtype))
-        tokens = order // k
-        rows = x.index_select(0, tokens)
-        h = gguf_grouped(rows, self.w13.loaded(), E, offsets)
+        if per_row_routing(T, k, E):  # (token, k) order, no sort: the rows come back in place
+            routing = route_rows(T * k, E, on_gpu, row_expert=flat)
+            rows = x.expand(k, -1) if T == 1 else x.repeat_interleave(k, 0)  # one token: a view
+            expert = flat
+        else:
+            order = torch.argsort(flat, stable=True)
+            expert = flat.index_select(0, order)  # each sorted row's expert
+            offsets = torch.searchsorted(expert, torch.arange(E + 1, device=x.device, dtype=expert.dtype))
+            routing = route_rows(T * k, E, on_gpu, offsets=offsets)
+            tokens = order // k
+            rows = x.index_select(0, tokens)
+        h = gguf_grouped(rows, self.w13.loaded(), routing)
         if self.w3 is not None:
-            h = torch.cat([h, gguf_grouped(rows, self.w3.loaded(), E, offsets)], 1)
+            h = torch.cat([h, gguf_grouped(rows, self.w3.loaded(), routing)], 1)
         h = h.float()
         if b13 is not None:
             h = h + b13.index_select(0, expert).float()
-        out = gguf_grouped(activate(h, limit, alpha).to(rows.dtype), self.w2.loaded(), E, offsets).float()
+        out = gguf_grouped(activate(h, limit, alpha).to(rows.dtype), self.w2.loaded(), routing).float()
         if b2 is not None:
             out = out + b2.index_select(0, expert).float()
+        if routing.offsets is None:
+            return (out.view(T, k, -1) * weights.float().unsqueeze(2)).sum(1)
         out.mul_(weights.flatten().index_select(0, order).float().unsqueeze(1))
         return torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, tokens, out)

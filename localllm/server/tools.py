@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from localllm import harmony
 from localllm.engine.guided import JSON_DEFAULTS
-from localllm.reasoning import CHANNEL, MESSAGE, START
+from localllm.reasoning import CHANNEL, MESSAGE, START, read_header
 from localllm.server.protocol import APIError, _invalid, _kind
 
 if TYPE_CHECKING:
@@ -551,12 +551,12 @@ class HarmonyCallParser(ToolCallParser):
             if at < 0:
                 return False
             end = at + len(MESSAGE)
-            name = harmony.RECIPIENT.search(buf[:at])
-            if name is None:  # a message to no function: its text as written
+            recipient = read_header(buf[:end]).recipient or ""
+            if not recipient.startswith(harmony.FUNCTIONS):  # a message to no function: its text as written
                 out.content += buf[:end]
                 self._buf, self._state = buf[end:], "text"
                 return True
-            self._start_call(out, name.group(1))
+            self._start_call(out, recipient.removeprefix(harmony.FUNCTIONS))
             self._buf, self._state = buf[end:], "args"
             return True
         # args: up to <|call|>

@@ -30,6 +30,7 @@ from textual.widgets import Static
 from textual.worker import Worker, WorkerCancelled, WorkerFailed, WorkerState
 
 from localllm.history import Conversation
+from localllm.reasoning import HarmonyCall, HarmonyParser
 from localllm.tui.backend import code_blocks, continuation_prompt, sampling_params, title_from
 from localllm.tui.context_count import ContextCount, reply_reserve
 from localllm.tui.conversation import CONTINUABLE, ChatHost, Reply, Turn, describe
@@ -42,6 +43,14 @@ if TYPE_CHECKING:
 FRAME_S = 1 / 20  # at most one Markdown append per tab per 50 ms: each one costs a layout pass of the screen
 SAVE_S = 1.0  # a streaming reply reaches the history at most this far behind
 WARN_FILL = 0.8  # share of the context at which the chat says it is filling up
+
+
+def tool_call_note(calls: list[HarmonyCall]) -> str:
+    """What the chat says of a reply's tool calls (gpt-oss addressing ``functions.NAME`` or a
+    built-in tool): this chat runs no tools, and a call is neither answer nor reasoning, so
+    it is shown apart, with its arguments as written."""
+    return "\n\n".join(f"Tool call: the model called `{c.recipient}` (this chat runs no tools; the call is not "
+                       f"part of the answer) with\n\n```{c.content_type or ''}\n{c.arguments}\n```" for c in calls)
 
 
 class ChatPane(ContextCount, Vertical):
@@ -400,6 +409,8 @@ class ChatPane(ContextCount, Vertical):
             await reply.view.remove()
             return
         await reply.view.finish(reply.text, finish_reason, reply.turn.meta)
+        if isinstance(reply.parser, HarmonyParser) and reply.parser.calls:
+            self.show_note(tool_call_note(reply.parser.calls))
         self._show_system_tokens()  # the engine may have loaded since the tab opened
         self.messages.follow_end()
         self._warn_if_filling()

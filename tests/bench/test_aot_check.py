@@ -6,7 +6,6 @@ check of that protocol. The checker itself must reject PTX with that barrier rem
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -17,21 +16,14 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench.scripts import ROOT, load_bench
+
 triton = pytest.importorskip("triton")
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 pytestmark = pytest.mark.skipif(not PTXAS.is_file(), reason="Triton without its bundled ptxas")
 
 
-def _load_aot_check() -> Any:
-    spec = importlib.util.spec_from_file_location("aot_check", ROOT / "bench" / "aot_check.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # imports no kernel: load_kernels() does, in its own process
-    return module
-
-
-aot_check = _load_aot_check()
+aot_check = load_bench("aot_check")  # imports no kernel: load_kernels() does, in its own process
 # One AWQ (fp32 partials) and one W8A8 (int32 partials) split-K GEMV config.
 CASES = "awq fp16 gemv[0] g128,int8 w8a8 bf16 gemv[0]"
 

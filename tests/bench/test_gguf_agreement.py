@@ -3,31 +3,13 @@ and how issue 28's table reads a report (the 10% rule, a prompt that never parte
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench.scripts import load_bench
 
 
-def _load() -> object:
-    if "peers" not in sys.modules:  # the package bench/peers, as the bench scripts import it
-        package = ROOT / "bench" / "peers"
-        spec = importlib.util.spec_from_file_location("peers", package / "__init__.py",
-                                                      submodule_search_locations=[str(package)])
-        assert spec is not None and spec.loader is not None
-        sys.modules["peers"] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    spec = importlib.util.spec_from_file_location("gguf_agreement", ROOT / "bench" / "gguf_agreement.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load()
+load_bench("peers")  # the package bench/peers, as the bench scripts import it
+bench = load_bench("gguf_agreement")
 
 
 def test_a_tied_head_is_counted_once() -> None:

@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench.scripts import ROOT, load_bench
+
 # Installed here, absent from the H200 image ('cuda', read 2026-11-17: KINDS.md's list)
 ABSENT_ON_IMAGE = ("platformdirs", "textual", "gguf", "llguidance", "starlette", "uvicorn", "openai")
 
@@ -44,15 +45,7 @@ sys.meta_path.insert(0, AbsentOnImage())
 '''
 
 
-def _load_gpu_check() -> Any:
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-gpu_check = _load_gpu_check()
+gpu_check = load_bench("gpu_check")
 
 
 def _run(tmp_path: Path, args: list[str], carry: bool) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:

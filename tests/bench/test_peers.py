@@ -5,7 +5,6 @@ error lines. Never timing."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -19,22 +18,9 @@ from typing import Any
 import httpx
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench.scripts import ROOT, load_bench
 
-
-def _load_peers() -> None:
-    """Imports the package bench/peers as ``peers`` (what the bench scripts import with bench/ on
-    sys.path), without putting bench/ on this process's path."""
-    package = ROOT / "bench" / "peers"
-    spec = importlib.util.spec_from_file_location("peers", package / "__init__.py",
-                                                  submodule_search_locations=[str(package)])
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["peers"] = module  # dataclasses resolve their module through sys.modules
-    spec.loader.exec_module(module)
-
-
-_load_peers()
+load_bench("peers")  # as ``peers``: what the bench scripts import with bench/ on sys.path
 from peers import build, cli, environment, processes  # noqa: E402
 from peers import client as peer_client, report as peer_report  # noqa: E402
 

@@ -10,6 +10,7 @@ from scipy import stats
 
 from localllm.engine.block_manager import BlockManager
 from localllm.engine.sampler import sample, skip_uniforms, verify_drafts
+from localllm.engine.scheduler import Scheduler
 from localllm.engine.sequence import SamplingParams, Sequence
 from localllm.engine.spec_decode import (
     NgramIndex,
@@ -143,6 +144,40 @@ def test_measured_costs_follow_the_load() -> None:
     for _ in range(50):
         costs.observe(3, 30.0)
     assert costs.ratio(1, 2) > 2.5
+
+
+def _decoding_alone(max_num_seqs: int) -> tuple[Scheduler, Sequence]:
+    """A scheduler (proposals off above 4 sequences) with one request prefilled and past its
+    first token, whose tokens repeat: its next step has a proposal to verify."""
+    config = SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=4)
+    scheduler = Scheduler(BlockManager(64, 4), 256, max_num_seqs, config)
+    seq = _seq(SamplingParams(temperature=0.0, max_tokens=50), [1, 2, 3, 4, 5, 1, 2])
+    scheduler.add(seq)
+    scheduler.update(scheduler.schedule(), [(seq, 3)])
+    return scheduler, seq
+
+
+def test_no_proposal_in_the_step_a_burst_joins() -> None:
+    scheduler, seq = _decoding_alone(max_num_seqs=16)
+    alone = scheduler.schedule()
+    drafts = seq.spec_token_ids
+    assert alone.num_speculative == 1 and drafts and drafts == [4, 5, 1, 2][: len(drafts)]
+    scheduler.update(alone, [])
+    scheduler.append(seq, 4)
+    scheduler.end_verify(seq, 0)
+    for i in range(15):  # requests opened together while it decodes: a batch of 16 from this step on
+        scheduler.add(Sequence(f"b{i}", [100 + i, 7, 8], SamplingParams(max_tokens=4), (), 1000))
+    burst = scheduler.schedule()
+    assert len(burst.seqs) == 16 and burst.num_speculative == 0 and burst.num_draft_tokens == 0
+    assert burst.seqs[0] is seq and burst.num_new_tokens[0] == 1  # a plain decode
+
+    # waiting requests with no slot do not make the batch large: it stays at max_num_seqs
+    scheduler, seq = _decoding_alone(max_num_seqs=2)
+    for i in range(15):
+        scheduler.add(Sequence(f"b{i}", [100 + i, 7, 8], SamplingParams(max_tokens=4), (), 1000))
+    step = scheduler.schedule()
+    drafts = seq.spec_token_ids
+    assert len(step.seqs) == 2 and step.num_speculative == 1 and drafts and drafts == [4, 5, 1, 2][: len(drafts)]
 
 
 # ---- rolled-back blocks ----

@@ -259,9 +259,10 @@ def test_the_grouped_kernel_runs_each_routed_expert_on_its_rows(name: str) -> No
     """Rows sorted by expert, expert e's rows multiplied by its slice of the stacked weight
     (4 experts x 32 rows), in one launch: a few rows per expert (the decode's FMA tiles) and
     many (dot tiles split at expert boundaries), experts without rows skipped, a tile count
-    bound that leaves tiles unused. Equal to x @ W_e.T within fp32 rounding, and to the
-    per-expert torch reference."""
-    from localllm.kernels.gguf_linear import gguf_grouped_reference, gguf_grouped_triton, grouped_path
+    bound that leaves tiles unused; and unsorted rows, each its own tile naming its expert
+    (a one-token decode). Equal to x @ W_e.T within fp32 rounding, and to the torch reference."""
+    from localllm.kernels._triton import gpu_tiles
+    from localllm.kernels.gguf_linear import gguf_grouped_reference, gguf_grouped_triton, grouped_path, route_rows
 
     experts, n = 4, 32
     blocks = file_blocks(name, rows=experts * n, seed=5)
@@ -269,14 +270,33 @@ def test_the_grouped_kernel_runs_each_routed_expert_on_its_rows(name: str) -> No
     w = gguf_weights(blocks, name).view(experts, n, -1)
     for counts in ([1, 0, 2, 1], [0, 17, 0, 5], [16, 3, 0, 0]):
         offsets = torch.tensor([0, *np.cumsum(counts)], dtype=torch.int64, device=DEV)
-        x = torch.randn(sum(counts), 512)
-        y = gguf_grouped_triton(x, p, experts, offsets)
+        x = torch.randn(sum(counts), 512, device=DEV)
+        routing = route_rows(x.shape[0], experts, gpu_tiles(x), offsets=offsets)
+        y = gguf_grouped_triton(x, p, routing).cpu()
         for e in range(experts):
             lo, hi = int(offsets[e]), int(offsets[e + 1])
             if hi > lo:
-                assert_product(y[lo:hi], x[lo:hi], w[e], 2e-6)
-        torch.testing.assert_close(y, gguf_grouped_reference(x, p, experts, offsets), rtol=1e-5, atol=1e-5)
+                assert_product(y[lo:hi], x[lo:hi].cpu(), w[e], 2e-6)
+        torch.testing.assert_close(y, gguf_grouped_reference(x, p, routing).cpu(), rtol=1e-5, atol=1e-5)
+    row_expert = torch.tensor([2, 0, 3, 2, 1], device=DEV)  # unsorted, one expert twice
+    x = torch.randn(5, 512, device=DEV)
+    routing = route_rows(5, experts, gpu_tiles(x), row_expert=row_expert)
+    y = gguf_grouped_triton(x, p, routing).cpu()
+    for i, e in enumerate(row_expert.tolist()):
+        assert_product(y[i:i + 1], x[i:i + 1].cpu(), w[e], 2e-6)
+    torch.testing.assert_close(y, gguf_grouped_reference(x, p, routing).cpu(), rtol=1e-5, atol=1e-5)
     assert grouped_path(4, 32) == "gemv" and grouped_path(64, 32) == "gemv" and grouped_path(2048, 32) == "gemm"
+
+
+def test_per_row_routing_only_for_a_few_rows() -> None:
+    """Unsorted rows where an expert is rarely chosen twice: one token always; a Qwen3-30B-A3B
+    layer (128 experts, top-8) up to 2 tokens, gpt-oss-20b's (32, top-4) 1; a prefill never.
+    Sorted tiles take 1, 2 or 4 rows on the FMA path, as many as an expert gets on average."""
+    from localllm.kernels.gguf_linear import grouped_config, per_row_routing
+
+    assert per_row_routing(1, 8, 128) and per_row_routing(2, 8, 128) and not per_row_routing(3, 8, 128)
+    assert per_row_routing(1, 4, 32) and not per_row_routing(2, 4, 32) and not per_row_routing(512, 8, 128)
+    assert [grouped_config(r, 128, True).kwargs["BLOCK_M"] for r in (24, 128, 256, 512, 1024)] == [1, 1, 2, 4, 16]
 
 
 def test_grouped_tiles_never_straddle_experts() -> None:

@@ -389,10 +389,20 @@ def llama_server_greedy(path: Path, prompts: list[str] | list[list[int]], n: int
 def test_real_gemma3_file_continues_as_llama_cpp() -> None:
     """A base model: a plain continuation at temperature 0, token for token what llama-server
     gives on the same file, over the file's weights dequantized (the block kernels' rounding
-    is tests/kernels' business). 12 tokens: llama.cpp's int8 activations make a near tie
-    later on differ (measured: 32 of 32 and 15 of 32 tokens equal on these prompts)."""
+    is tests/kernels' business), up to a near tie: llama.cpp's int8 activations move logits
+    by a few tenths, which turns a close second into its pick (measured: 32 of 32 and 15 of
+    32 tokens equal on a Xeon; on a Zen 4 the first prompt's 11th token, where our top two
+    were 0.26 apart). So the first 8 tokens must be equal, and where a later one differs,
+    llama.cpp's token must be our close second (within 0.5 of our pick's log-probability)."""
     prompts = ["Once upon a time, in a small village", "The capital of France is"]
     want = llama_server_greedy(GEMMA_FILE, prompts, 12, threads=2, context=512)
     llm = LLM(str(GEMMA_FILE), dtype="float32", device="cpu", max_model_len=256)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-    assert [o.outputs[0].token_ids for o in outs] == want
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5))
+    for out, theirs in zip(outs, want):
+        ours = out.outputs[0].token_ids
+        assert len(ours) == len(theirs) == 12
+        differ = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+        if differ is not None:
+            top = out.outputs[0].logprobs[differ]
+            assert differ >= 8 and theirs[differ] in top, (differ, ours, theirs)
+            assert top[ours[differ]] - top[theirs[differ]] < 0.5, (differ, top)

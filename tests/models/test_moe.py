@@ -504,4 +504,7 @@ def test_gathered_experts_equal_the_grouped_op(bias: bool) -> None:
         assert torch.allclose(weights.sum(1), torch.ones(T)) == renormalize
         for limit in (0.0, 0.5):
             got = experts_gathered(x, weights, ids, w13, w2, b13, b2, limit, 1.702)
-            torch.testing.assert_close(got, moe_experts(x, weights, ids, w13, w2, b13, b2, limit, 1.702))
+            # different summation orders (a gathered bmm against per-expert mm): fp32 rounding of
+            # sums of ~10 (unscaled random weights), 1.9e-5 apart on a Zen 4
+            torch.testing.assert_close(got, moe_experts(x, weights, ids, w13, w2, b13, b2, limit, 1.702),
+                                       rtol=2e-5, atol=5e-5)

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from localllm.engine.guided import JSON_DEFAULTS
 from localllm.reasoning import format_for, prompt_tail
 from localllm.server.reasoning_fields import HarmonyCallsKept
 from localllm.server.tools import HARMONY, HarmonyCallParser, ToolCalling, assistant_message
@@ -204,4 +205,51 @@ def test_a_forced_call_comes_back_as_tool_calls_whole_and_streamed(gpt_oss: Serv
     again = client.chat.completions.create(model="any", messages=history, tools=SERVER_TOOLS, max_tokens=2,
                                            temperature=0)
     assert again.usage.prompt_tokens > 0
+    gpt_oss.wait_idle()
+
+
+# the recipient before the channel, in both places gpt-oss writes it: going on from the prompt's
+# "<|start|>assistant", and in a message of its own after a thought
+RECIPIENT_FIRST = {
+    "after the prompt's role": "start: call",
+    "after a thought": ('start: thought <|start|> "assistant" call\n'
+                        'thought: <|channel|> "analysis" <|message|> /[a-z]{2,8}( [a-z]{2,8}){1,3}/ <|end|>'),
+}
+
+
+@pytest.mark.parametrize("case", list(RECIPIENT_FIRST))
+def test_a_recipient_first_call_comes_back_as_tool_calls_whole_and_streamed(gpt_oss: Served, case: str) -> None:
+    """``tool_choice: "auto"`` with a ``guided_grammar`` under which the random model writes its
+    call as `` to=functions.get_weather<|channel|>commentary json<|message|>{...}<|call|>``: the
+    reply is ``tool_calls`` with ``finish_reason: "tool_calls"``, no header text in the answer
+    or the reasoning, whole and streamed alike."""
+    import jsonschema
+    import openai
+
+    grammar = (f'{RECIPIENT_FIRST[case]}\ncall: " to=functions.get_weather" <|channel|> "commentary json" <|message|> '
+               f"args <|call|>\nargs: %json {json.dumps({**SCHEMA, 'x-guidance': JSON_DEFAULTS})}\n")
+    client = openai.OpenAI(base_url=gpt_oss.base, api_key="unused", max_retries=0, timeout=300)
+    kw: dict[str, Any] = {"model": "any", "messages": ASK, "tools": SERVER_TOOLS, "temperature": 0, "max_tokens": 80,
+                          "extra_body": {"guided_grammar": grammar}}
+    choice = client.chat.completions.create(**kw).choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMA)
+    assert not choice.message.content
+    reasoning = choice.message.model_extra.get("reasoning_content")
+    assert (reasoning is not None) == (case == "after a thought")
+    assert "to=" not in (reasoning or "") and "<|" not in (reasoning or "")
+
+    name, args, content, thought, finish = "", "", "", "", None
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            for d in c.delta.tool_calls or []:
+                name += d.function.name or ""
+                args += d.function.arguments or ""
+            content += c.delta.content or ""
+            thought += (c.delta.model_extra or {}).get("reasoning_content") or ""
+            finish = c.finish_reason or finish
+    assert (name, args, finish) == ("get_weather", call.function.arguments, "tool_calls")
+    assert content.strip() == "" and thought == (reasoning or "")
     gpt_oss.wait_idle()

@@ -64,6 +64,32 @@ if os.environ.get("LOCALLLM_TRITON_ON_CPU") == "1" and not REHEARSAL:
         + ("Triton is not installed" if not HAS_TRITON else "TRITON_INTERPRET is set, but not to 1"),
         stacklevel=1,
     )
+
+
+def _rowwise_interpreter_dot() -> None:
+    """The interpreter's ``tl.dot`` is numpy's fp32 matmul, whose BLAS sums a row's products
+    in another order at another row of the tile on some CPUs (a Zen 4: rows 6-11 of every 12
+    took other last bits), so a row's result moved with its batch there, which a GPU's MMA
+    does not (an H200: the same bits alone and in batches of 40 and 512). Float dots are
+    summed in fp64 and rounded once instead: the same result wherever the row sits."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_dot
+
+    def create_dot(self: Any, a: Any, b: Any, d: Any, input_precision: Any, max_num_imprecise_acc: Any) -> Any:
+        if d.data.dtype != np.float32 or a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8:
+            return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+        exact = np.matmul(a.data.astype(np.float64), b.data.astype(np.float64))
+        return interpreter.TensorHandle((exact.astype(np.float32) + d.data).astype(np.float32), d.dtype.scalar)
+
+    builder.create_dot = create_dot
+
+
+if HAS_TRITON and INTERPRET:
+    _rowwise_interpreter_dot()
+
 # What a rehearsal poses as: Hopper, so every path (FP8 GEMM, FP8 KV) is taken.
 REHEARSAL_CAPABILITY = (9, 0)
 

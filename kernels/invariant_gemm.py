@@ -7,7 +7,7 @@ BLOCK_M, BLOCK_N, BLOCK_K, warps and stages, one program per output tile, K walk
 BLOCK_K steps into one fp32 accumulator (no split-K, no autotuning, no atomics). A row's
 outputs are then the same instructions on the same operands wherever it sits: rows past M are
 masked to zeros, which change no sum. Written and checked in the rehearsal (the interpreter
-on CPU tensors, tests/engine/test_rehearsal.py); not yet run on a GPU.
+on CPU tensors, tests/engine/test_rehearsal.py) and run on an H200 (2026-12-04).
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import torch
 
 from localllm.kernels._triton import dot_fp32, tl, triton
 
+# On an H200 the MMA path gave every row the same bits alone and in batches of 40 and 512
+# (docs/benchmarks.md); the interpreter's dot is made row-invariant too (kernels/_triton.py).
 # One configuration for all shapes (the point); 64x64x64 with 4 warps is a middle tile that
 # every architecture compiles: decode rows waste the tile's rows, which a GEMV-bound step hides.
 BLOCK_M, BLOCK_N, BLOCK_K, WARPS, STAGES = 64, 64, 64, 4, 3

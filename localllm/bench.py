@@ -225,9 +225,11 @@ class _Target:
         """(KV usage, KV blocks used, batch size, preemptions so far), None where unknown."""
         if self.llm is not None:
             s = self.engine.stats()
-            # an idle engine's snapshot still shows its last step's batch, from the run before
-            batch = s.batch_size if s.num_running else None
-            return s.kv_usage, s.kv_blocks_used, batch, s.num_preemptions
+            # the peaks since ``measure`` began (a short request can start and end between
+            # polls); an idle engine's snapshot still shows its last step's batch, from before
+            batch = max(s.batch_size if s.num_running else 0, s.batch_size_peak) or None
+            blocks = max(s.kv_blocks_used, s.kv_blocks_peak)
+            return blocks / s.kv_blocks_total if s.kv_blocks_total else 0.0, blocks, batch, s.num_preemptions
         if not self._metrics_ok or client is None:
             return None, None, None, None
         return await self._scrape(client), None, None, None
@@ -331,6 +333,8 @@ class _Run:
                 except asyncio.TimeoutError:
                     pass
 
+        if self.target.local_engine is not None:
+            await self.target.local_engine.call(lambda e: e.reset_peaks())
         task = asyncio.create_task(sampler())
         t0 = time.monotonic()
         try:

@@ -176,7 +176,7 @@ def set_openmp_defaults(env: MutableMapping[str, str]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The console script. ``argv`` None: this process's own command line, which ends the
-    process when a background compile still runs (``_exit_past_compile``) and takes SIGTERM
+    process when a thread of ours still runs (``_exit_past_threads``) and takes SIGTERM
     and SIGHUP as ctrl+c (``_stop_on_signals``)."""
     set_openmp_defaults(os.environ)
     if argv is None:
@@ -191,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv is None:
         if _stopped_by is not None:
             _end_now(128 + _stopped_by)
-        _exit_past_compile(code)
+        _exit_past_threads(code)
     return code
 
 
@@ -246,7 +246,7 @@ def _end_now(code: int) -> None:
     """Ends the process now with ``code``: this process's compilers first (Inductor's workers
     and their g++; the kernel build's compilers end with it on their own, see
     kernels/cpu_ops.py), then stdout, stderr and logging flushed, then ``os._exit``: no
-    thread is joined and no daemon thread is unwound (see ``_exit_past_compile``)."""
+    thread is joined and no daemon thread is unwound (see ``_exit_past_threads``)."""
     runner = sys.modules.get("localllm.engine.model_runner")  # never imported: nothing compiled
     if runner is not None:
         runner.stop_compilers()
@@ -257,16 +257,16 @@ def _end_now(code: int) -> None:
     os._exit(code)
 
 
-def _exit_past_compile(code: int) -> None:
-    """Ends the process now with ``code`` when a background compile is still running (ctrl+c
-    skipped `run`'s wait for it; a chat or server quit mid-compile), through ``_end_now``.
-    The interpreter's own exit would stop the compile thread wherever it is, and stopped inside
-    torch's C++ it aborts the process ("terminate called without an active exception", exit
-    134: CPython 3.11 ends a daemon thread by unwinding it through a noexcept destructor)."""
-    runner = sys.modules.get("localllm.engine.model_runner")  # never imported: nothing compiled
-    if runner is None or not runner.compile_running():
-        return
-    _end_now(code)
+def _exit_past_threads(code: int) -> None:
+    """Ends the process now with ``code``, through ``_end_now``, when a thread of ours is still
+    alive: a background compile (ctrl+c skipped `run`'s wait for it; a chat or server quit
+    mid-compile), the KV pool's page reservation, the optimized kernel build, the engine's
+    thread. The interpreter's own exit would stop such a daemon thread wherever it is, and
+    stopped inside torch's C++ it aborts the process ("terminate called without an active
+    exception", exit 134: CPython 3.11 ends a daemon thread by unwinding it through a noexcept
+    destructor; seen once in 13 `run --json-schema` exits on a Zen 4 with no compile running)."""
+    if any(t.daemon and t.is_alive() and t.name.startswith("localllm-") for t in threading.enumerate()):
+        _end_now(code)
 
 
 def _main(argv: Sequence[str] | None) -> int:

@@ -97,6 +97,10 @@ class EngineStats:
     prefix_cache_hit_tokens: int
     prompt_tokens: int
     max_batch_size_seen: int
+    # most KV blocks held at once, and most sequences in a step, since the start or the last
+    # ``reset_peaks`` (a step shorter than a poll still counts)
+    kv_blocks_peak: int = 0
+    batch_size_peak: int = 0
     compiling: bool = False  # the decode step is being optimized in the background (eager meanwhile)
     # the compiled decode step is not in use yet: being loaded from disk or built (eager meanwhile)
     preparing: bool = False
@@ -187,6 +191,7 @@ class LLMEngine:
         self._hit_tokens = 0
         self._prompt_tokens = 0
         self._max_batch = 0
+        self._kv_peak = self._batch_peak = 0
         self._spec_counts = [0, 0, 0]  # verify steps, proposed tokens, accepted tokens
 
     def _load_drafter(self, spec: SpeculativeConfig, progress: Callable[[str, int, int], None] | None = None) -> None:
@@ -275,6 +280,9 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
+        bm = self.block_manager
+        self._kv_peak = max(self._kv_peak, bm.num_blocks - bm.num_free_blocks)
+        self._batch_peak = max(self._batch_peak, len(batch.seqs))
         t0 = time.monotonic()
         for seq in batch.seqs:
             m = self.requests[seq.request_id].metrics
@@ -475,6 +483,12 @@ class LLMEngine:
 
     # ---- metrics ----
 
+    def reset_peaks(self) -> None:
+        """Starts ``EngineStats.kv_blocks_peak`` and ``batch_size_peak`` again from now (on the
+        engine's thread: the step is their other writer)."""
+        bm = self.block_manager
+        self._kv_peak, self._batch_peak = bm.num_blocks - bm.num_free_blocks, 0
+
     def stats(self) -> EngineStats:
         bm = self.block_manager
         return EngineStats(
@@ -494,6 +508,8 @@ class LLMEngine:
             prefix_cache_hit_tokens=self._hit_tokens,
             prompt_tokens=self._prompt_tokens,
             max_batch_size_seen=self._max_batch,
+            kv_blocks_peak=self._kv_peak,
+            batch_size_peak=self._batch_peak,
             compiling=self.runner.compiling,
             preparing=self.runner.preparing,
             spec_method=self.speculative.method if self.speculative is not None else None,

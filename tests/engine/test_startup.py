@@ -43,10 +43,13 @@ def test_the_first_answer_imports_neither_dynamo_nor_sympy(default_model_path: P
     assert imported == "[]", imported
 
 
-def test_an_exit_past_a_running_compile_ends_the_process_now(tmp_path: Path) -> None:
-    """``cli._exit_past_compile``: with a compile thread inside torch's C++ ops at exit, the
-    process ends with the command's code (not 134: a daemon thread unwound at the
-    interpreter's exit aborts it), its output flushed, its stand-in compiler ended."""
+@pytest.mark.parametrize("thread", ["localllm-compile", "localllm-kv-reserve"])
+def test_an_exit_past_a_running_thread_of_ours_ends_the_process_now(thread: str) -> None:
+    """``cli._exit_past_threads``: with a daemon thread of ours inside torch's C++ ops at exit
+    (a background compile, or no compile but another thread such as the KV pool's page
+    reservation), the process ends with the command's code (not 134: a daemon thread unwound
+    at the interpreter's exit aborts it), its output flushed, its stand-in compiler ended."""
+    compiling = thread == "localllm-compile"
     script = SIGINT_ON + (
         "import subprocess, threading, time, torch\n"
         "from localllm import cli\n"
@@ -57,12 +60,12 @@ def test_an_exit_past_a_running_compile_ends_the_process_now(tmp_path: Path) -> 
         "def work():\n"
         "    while True:\n"
         "        a @ a  # in C++ with the GIL released, as Inductor's tracing often is\n"
-        "compile = threading.Thread(target=work, daemon=True)\n"
-        "model_runner._COMPILE_THREADS.add(compile)\n"
-        "compile.start()\n"
+        f"worker = threading.Thread(target=work, daemon=True, name={thread!r})\n"
+        + ("model_runner._COMPILE_THREADS.add(worker)\n" if compiling else "")
+        + "worker.start()\n"
         "time.sleep(0.5)\n"
         "print('the answer', end='')  # block-buffered: a pipe\n"
-        "cli._exit_past_compile(7)\n"
+        "cli._exit_past_threads(7)\n"
         "print('not reached')\n"
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
@@ -70,7 +73,7 @@ def test_an_exit_past_a_running_compile_ends_the_process_now(tmp_path: Path) -> 
     pid, out = proc.stdout.split("\n", 1)
     assert out == "the answer"
     assert "terminate called" not in proc.stderr
-    _assert_gone(int(pid))
+    _assert_gone(int(pid))  # _end_now ends this process's children either way
 
 
 @pytest.mark.skipif(cpu_ops.compiler() is None or not cpu_ops.has_gguf_kernels(),

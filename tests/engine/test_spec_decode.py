@@ -121,6 +121,28 @@ def test_expected_tokens_per_verify_step() -> None:
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
 
 
+def test_the_measure_drifts_to_the_requests_record() -> None:
+    """Between proposals the acceptance drifts back toward what the request has kept so far
+    (the prior counting as a few trials): a reply that rejected most proposals is not tried
+    again at the prior's 0.5, one that kept most is, and a fresh one drifts to the prior."""
+    from localllm.engine.spec_decode import PRIOR_ACCEPTANCE, SpecState
+
+    prose, code, fresh = SpecState(None), SpecState(None), SpecState(None, acceptance=0.0)
+    for i in range(20):
+        prose.observe(i % 6 == 0)  # 4 of 20 kept
+        code.observe(i % 10 != 0)  # 18 of 20
+    for s in (prose, code, fresh):
+        for _ in range(200):
+            s.drift()
+    assert prose.acceptance == pytest.approx((4 + 4 * PRIOR_ACCEPTANCE) / 24, abs=1e-3)
+    assert code.acceptance == pytest.approx((18 + 4 * PRIOR_ACCEPTANCE) / 24, abs=1e-3)
+    assert fresh.acceptance == pytest.approx(PRIOR_ACCEPTANCE, abs=1e-3)
+    costs = SpecCosts()
+    for rows, t in ((1, 10.0), (2, 10.5), (4, 11.0), (6, 11.5), (9, 12.5)):
+        costs.observe(rows, t)
+    assert choose_k([prose.acceptance], [8], costs)[0] < choose_k([code.acceptance], [8], costs)[0]
+
+
 def test_k_follows_acceptance_and_measured_cost() -> None:
     costs = SpecCosts()
     for rows, t in ((1, 10.0), (2, 10.5), (4, 11.0), (6, 11.5), (9, 12.5)):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,8 +32,28 @@ from localllm.engine.spec_decode import MAX_SPECULATIVE_TOKENS, SpecState
 from localllm.errors import LocalLLMError
 from localllm.tokenizer import Tokenizer
 
+if TYPE_CHECKING:
+    from localllm.hardware.planner import Beside
+
 # how fast the measured draft step time follows the machine's load
 COST_WEIGHT = 0.2
+
+
+def draft_beside(name: str, device: str | None, block_size: int, compile: bool) -> Beside:
+    """What the draft ``name`` takes of its target's memory budget, from its own plan (made
+    before the target's, on the same device; nothing is loaded): its weights, activations and
+    graph pool, and its KV bytes per token, since its pool mirrors every block of the target's.
+    The target's plan sizes its KV pool with this taken out (a GPU target took ~90% of the
+    card and the draft's mirror of its pool did not fit)."""
+    from localllm import store
+    from localllm.hardware.planner import Beside
+    from localllm.models.formats import open_checkpoint
+    from localllm.models.loader import plan_checkpoint
+
+    path = store.resolve(name)
+    p = plan_checkpoint(open_checkpoint(path), path, name, device=device, chats=1, block_size=block_size,
+                        compile=compile)
+    return Beside(p.model, p.weight_bytes + p.workspace_bytes + p.runtime_bytes, p.kv_bytes_per_token)
 
 
 class DraftModel:

@@ -133,12 +133,19 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         # a bad speculative_config fails before the model loads
         self.speculative: SpeculativeConfig | None = speculative_config(config.speculative_config)
+        # a draft model's share of the memory budget comes out before the target's KV pool is sized
+        beside = None
+        if self.speculative is not None and self.speculative.method == "draft_model":
+            from localllm.engine.draft_model import draft_beside
+
+            assert self.speculative.model is not None
+            beside = draft_beside(self.speculative.model, config.device, config.block_size, self._compiles(config))
         loaded = load_model(
             config.model, dtype=config.dtype, device=config.device, quant=config.quant,
             max_model_len=config.max_model_len, context=config.context, chats=config.chats,
             num_kv_blocks=config.num_kv_blocks, block_size=config.block_size,
             gpu_memory_utilization=config.gpu_memory_utilization, kv_cache_dtype=config.kv_cache_dtype,
-            progress=progress, compile=self._compiles(config),
+            progress=progress, compile=self._compiles(config), beside=beside,
         )
         self.model_name = loaded.name
         self.tokenizer: Tokenizer = loaded.tokenizer
@@ -167,7 +174,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             loaded.model, loaded.num_kv_blocks, config.block_size, loaded.kv_dtype, loaded.max_model_len,
             use_cuda_graphs=config.use_cuda_graphs and loaded.use_cuda_graphs,
-            max_graph_batch=config.max_num_seqs or self.plan.max_num_seqs,
+            max_graph_batch=self._graph_batch(config),
             compile_cpu=self._compiles(config),
             decode_buckets=config.decode_buckets, progress=progress, kv_scales=self.kv_scales,
             compile_in_background=config.compile_in_background,
@@ -193,6 +200,13 @@ class LLMEngine:
         self._max_batch = 0
         self._kv_peak = self._batch_peak = 0
         self._spec_counts = [0, 0, 0]  # verify steps, proposed tokens, accepted tokens
+
+    def _graph_batch(self, config: EngineConfig) -> int:
+        """The largest decode step the static-buffer path (CUDA graphs, the compiled CPU step)
+        must hold: a batch of decodes, or a speculating batch's verify rows, which can be more
+        (4 sequences of 1 + 5 rows each are 24): a step past the largest bucket runs eager."""
+        seqs = config.max_num_seqs or self.plan.max_num_seqs
+        return max(seqs, self.speculative.max_verify_rows(seqs)) if self.speculative is not None else seqs
 
     def _load_drafter(self, spec: SpeculativeConfig, progress: Callable[[str, int, int], None] | None = None) -> None:
         """Loads ``spec.model`` as the draft model, on the target's device with a pool of as

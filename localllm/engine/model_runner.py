@@ -536,7 +536,10 @@ class ModelRunner:
         progress and keeps the buckets eager: there is nothing to capture."""
         from localllm.kernels import tuning
 
-        self._init_static_buffers([b for b in GRAPH_BATCH_SIZES if b <= max_batch])
+        # the smallest size that holds max_batch closes the list: a batch between two sizes
+        # pads up to the next one rather than running eager
+        top = next((b for b in GRAPH_BATCH_SIZES if b >= max_batch), GRAPH_BATCH_SIZES[-1])
+        self._init_static_buffers([b for b in GRAPH_BATCH_SIZES if b <= top])
         capture = self.device.type == "cuda"
         self._g_hidden: dict[int, torch.Tensor] = {}
         total = len(self.buckets)
@@ -554,7 +557,10 @@ class ModelRunner:
 
             with tuning.reporting(on_tune):
                 for _ in range(2):  # warm up: Triton compiles and autotunes outside the capture
-                    self._run_bucket_eager(b)
+                    # the logits too, at this bucket's rows (they run after the replay, outside
+                    # the graph): a GGUF head's kernel compiled at a step's first use of a row
+                    # bucket, 3-6 s each on an H200
+                    self.model.compute_logits(self._run_bucket_eager(b))
             report(CAPTURE_STAGE, i, total)
             if not capture:
                 continue

@@ -85,6 +85,11 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise LocalLLMError("speculative_config: prompt_lookup_min must not exceed prompt_lookup_max")
 
+    def max_verify_rows(self, max_num_seqs: int) -> int:
+        """The most rows a decode step can have while speculating: every sequence of a batch
+        small enough to speculate (``disable_by_batch_size``) with a row per position."""
+        return min(max_num_seqs, self.disable_by_batch_size) * (1 + self.num_speculative_tokens)
+
 
 def speculative_config(value: SpeculativeConfig | Mapping[str, object] | str | None) -> SpeculativeConfig | None:
     """A ``SpeculativeConfig`` from what a caller gave: one, a dict of its fields, a JSON object
@@ -253,13 +258,21 @@ class SpecCosts:
     def _time(self, rows: int) -> float | None:
         t = self.times
         if rows in t:
-            return t[rows]
-        below = max((r for r in t if r < rows), default=None)
-        above = min((r for r in t if r > rows), default=None)
-        if below is not None and above is not None:  # between two measured sizes: a straight line
-            w = (rows - below) / (above - below)
-            return t[below] + w * (t[above] - t[below])
-        return None
+            est = t[rows]
+        else:
+            below = max((r for r in t if r < rows), default=None)
+            above = min((r for r in t if r > rows), default=None)
+            if below is None or above is None:
+                return None
+            w = (rows - below) / (above - below)  # between two measured sizes: a straight line
+            est = t[below] + w * (t[above] - t[below])
+        if rows in t and self._seen[rows] > WARMUP_STEPS:
+            return est
+        # a size seen only a few times (or none) is never more than a measured step of more
+        # rows, nor than one of fewer rows scaled by the rows (weights are read once a step): a
+        # size seen once, in a step that also compiled a kernel (seconds on a GPU), would
+        # otherwise price itself, and the sizes next to it, out of use for good
+        return min([est, *(v if r > rows else v * rows / r for r, v in t.items() if r != rows)])
 
 
 def choose_k(acceptances: Seq[float], max_k: Seq[int], costs: SpecCosts, draft_cost: float = 0.0) -> list[int]:

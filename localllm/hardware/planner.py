@@ -50,6 +50,7 @@ from localllm.hardware.sizing import (
 )
 
 __all__ = [
+    "Beside",
     "DoesNotFit", "MemoryCheck", "MemoryMeter", "Plan", "compare_memory", "decode_tokens_per_s",
     "plan", "probe_hardware",
 ]
@@ -120,6 +121,18 @@ def precision_label(weight_dtype: str, quant: str | None = None) -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class Beside:
+    """Memory a second model of the same engine takes out of a plan's budget (a draft model):
+    ``bytes`` whatever its size (weights, activations, CUDA graph pool), and
+    ``kv_bytes_per_token`` for every token of the plan's KV pool, which its own pool mirrors
+    block for block."""
+
+    name: str
+    bytes: int
+    kv_bytes_per_token: int
+
+
+@dataclass(frozen=True, slots=True)
 class Plan:
     """What the engine should build. Byte figures are predictions the engine can check.
 
@@ -157,6 +170,9 @@ class Plan:
     # False: no room was kept to time a quantized GEMM's torch candidate; the engine should
     # run the Triton kernel without measuring (LOCALLLM_GEMM_BACKEND=triton does the same).
     time_gemm_candidates: bool = True
+    # what the ``Beside`` model takes for this plan's pool size (0: none); in total_bytes, not
+    # in expected_measured_bytes (that model is measured apart)
+    beside_bytes: int = 0
 
     @property
     def precision(self) -> str:
@@ -181,7 +197,7 @@ class Plan:
 
     @property
     def total_bytes(self) -> int:
-        return self.weight_bytes + self.kv_bytes + self.overhead_bytes
+        return self.weight_bytes + self.kv_bytes + self.overhead_bytes + self.beside_bytes
 
     @property
     def expected_measured_bytes(self) -> int:
@@ -194,7 +210,8 @@ class Plan:
             f" KV cache {_LABELS.get(self.kv_dtype, self.kv_dtype)}",
             f"  memory: weights {fmt_bytes(self.weight_bytes)} + KV pool {fmt_bytes(self.kv_bytes)}"
             f" ({self.kv_tokens:,} tokens) + overhead {fmt_bytes(self.overhead_bytes)}"
-            f" = {fmt_bytes(self.total_bytes)} of a {fmt_bytes(self.budget_bytes)} budget"
+            + (f" + draft model {fmt_bytes(self.beside_bytes)}" if self.beside_bytes else "")
+            + f" = {fmt_bytes(self.total_bytes)} of a {fmt_bytes(self.budget_bytes)} budget"
             + (f"; kept free: reserve {fmt_bytes(self.reserve_bytes)} + margin {fmt_bytes(self.margin_bytes)}"
                if self.device == "cuda" else ""),
             f"  limits: {self.max_model_len:,} tokens per sequence, {self.max_num_seqs} sequences per step,"
@@ -237,6 +254,7 @@ class Plan:
             "reserve": dict(self.reserve),
             "margin_bytes": self.margin_bytes,
             "time_gemm_candidates": self.time_gemm_candidates,
+            "beside_bytes": self.beside_bytes,
             "reasons": list(self.reasons),
         }
 
@@ -276,6 +294,7 @@ class _Target:
     others: int = 0  # GPU only: what other processes hold
     margin: int = 0  # GPU only: kept free for the desktop to grow
     util: float = 1.0
+    beside: Beside | None = None  # a draft model sharing the budget
 
 
 @dataclass(frozen=True, slots=True)
@@ -503,8 +522,9 @@ def _fit(model: ModelDims, t: _Target, rung: _Rung, graphs: bool, batched_tokens
             c = param_counts(model)
             runtime += int(c.block_linear / 2 + c.awq_groups * 4)
     kvpt = kv_bytes_per_token(model, kv_dtype)
-    free = budget - (weights + workspace + runtime + context)
-    capacity = max(0, free) // kvpt // block_size * block_size
+    beside, beside_kvpt = (t.beside.bytes, t.beside.kv_bytes_per_token) if t.beside is not None else (0, 0)
+    free = budget - (weights + workspace + runtime + context + beside)
+    capacity = max(0, free) // (kvpt + beside_kvpt) // block_size * block_size
     return _Fit(rung, graphs, batched_tokens, weights, workspace, runtime, context, kv_dtype, kvpt, capacity,
                 budget, reserve, candidate and rung.quant in CANDIDATE_BYTES_PER_WEIGHT)
 
@@ -547,6 +567,7 @@ def plan(
     name: str | None = None,
     gguf: GGUFWeights | None = None,
     gpu_gguf: str | None = None,
+    beside: Beside | None = None,
 ) -> Plan:
     """The plan for ``model`` on ``hw``. Raises LocalLLMError for bad input, DoesNotFit when
     nothing fits (with the nearest plan that would). ``cpu_gguf``: the checkpoint is a GGUF
@@ -556,7 +577,9 @@ def plan(
     plan call the model (default: the model's id or name attribute). ``kv_cache_dtype`` is
     "auto" (16-bit, FP8 where only that fits) or "fp8" ("fp8_e4m3"). ``gguf``: the GGUF
     checkpoint's tensors, which size a "gguf" plan (without them, the Q4_1 estimate); on a GPU
-    as the Triton kernels hold them (``GGUFWeights.kernels``)."""
+    as the Triton kernels hold them (``GGUFWeights.kernels``). ``beside``: a draft model
+    that shares the budget: its fixed bytes and a mirror of every KV token planned come out of
+    it before the KV pool is sized."""
     if dtype == "auto":
         dtype = None
     _validate(context, chats, quant, dtype, gpu_memory_utilization, block_size)
@@ -572,7 +595,7 @@ def plan(
     wanted = context if context is not None else min(model_max or DEFAULT_CONTEXT, DEFAULT_CONTEXT)
     need = wanted * chats
     t = _target(hw, gpu_memory_utilization)
-    t = replace(t, cpu_runtime=CPU_RUNTIME_BYTES + (CPU_COMPILE_BYTES if cpu_compile else 0))
+    t = replace(t, cpu_runtime=CPU_RUNTIME_BYTES + (CPU_COMPILE_BYTES if cpu_compile else 0), beside=beside)
     ladder = _ladder(t, hw, quant, dtype)
     if t.device == "cpu" and cpu_gguf and (quant in (None, "gguf")) and dtype is None:
         ladder = [_Rung("float32", "gguf", cpu_gguf)] + ([] if quant else ladder)
@@ -681,6 +704,12 @@ def plan(
     reasons += [pool_reason, ctx_reason, seq_reason, graphs_reason]
     if t.device == "cuda":
         reasons.append(_reserve_reason(t, chosen))
+    beside_bytes = 0
+    if beside is not None:
+        beside_bytes = beside.bytes + num_blocks * block_size * beside.kv_bytes_per_token
+        reasons.append(f"draft model {beside.name}: {fmt_bytes(beside_bytes)} of the budget ({fmt_bytes(beside.bytes)}"
+                       f" weights and activations, {fmt_bytes(beside.kv_bytes_per_token)} of KV per token of this"
+                       " pool, which its own mirrors)")
 
     return Plan(
         model=name,
@@ -708,6 +737,7 @@ def plan(
         reserve=MappingProxyType(dict(chosen.reserve)),
         margin_bytes=t.margin,
         time_gemm_candidates=chosen.candidate or chosen.rung.quant not in CANDIDATE_BYTES_PER_WEIGHT,
+        beside_bytes=beside_bytes,
     )
 
 
@@ -728,7 +758,8 @@ def _does_not_fit(
     label = precision_label(last.rung.weight_dtype, last.rung.quant)
     if last.kv_dtype == "fp8":
         label += " with an fp8 KV cache"
-    needed = last.fixed + wanted * chats * last.kvpt
+    extra, extra_kvpt = (t.beside.bytes, t.beside.kv_bytes_per_token) if t.beside is not None else (0, 0)
+    needed = last.fixed + extra + wanted * chats * (last.kvpt + extra_kvpt)
     # the nearest plans keep a GGUF file's blocks where this one would have (``gguf_lines``)
     kwargs: dict[str, Any] = dict(quant=quant, dtype=dtype, gpu_memory_utilization=util, block_size=block_size,
                                   kv_cache_dtype=kv_cache_dtype, suggest_models=False, gguf=gguf, **(gguf_lines or {}))

@@ -24,7 +24,7 @@ from localllm.models.llama import LlamaForCausalLM
 from localllm.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from localllm.hardware.planner import Plan
+    from localllm.hardware.planner import Beside, Plan
     from localllm.hardware.probe import Hardware
     from localllm.hardware.sizing import GGUFWeights
     from localllm.quant.gguf_modules import BlockKernels
@@ -213,37 +213,18 @@ def kernel_needs(ckpt: Checkpoint) -> cpu_build.Needs:
                            bool(gguf_types) and ckpt.config.num_experts > 0)
 
 
-def load_model(
-    name: str | None,
-    *,
-    dtype: str = "auto",
-    device: str | None = None,
-    quant: str | None = None,
-    max_model_len: int | None = None,
-    context: int | None = None,
-    chats: int = 4,
-    num_kv_blocks: int | None = None,
-    block_size: int = 16,
-    gpu_memory_utilization: float = 0.9,
-    kv_cache_dtype: str = "auto",
-    progress: Callable[[str, int, int], None] | None = None,
-    compile: bool = True,
-) -> LoadedModel:
-    """Resolves (pulling if needed), plans against this machine, and loads. ``progress`` gets
-    ``(stage, done, total)``."""
-    from localllm import store
+def plan_checkpoint(
+    ckpt: Checkpoint, path: Path, name: str, *, dtype: str = "auto", device: str | None = None,
+    quant: str | None = None, context: int | None = None, chats: int = 4, block_size: int = 16,
+    gpu_memory_utilization: float = 0.9, kv_cache_dtype: str = "auto", compile: bool = True,
+    beside: Beside | None = None,
+) -> Plan:
+    """The plan ``load_model`` builds an opened checkpoint by, on this machine (``device``
+    forced when given); nothing is loaded. ``quant`` is a checked method name or None."""
     from localllm.hardware.planner import plan as make_plan
     from localllm.hardware.probe import probe_hardware
-    from localllm.kernels._triton import rehearsing
 
-    if quant is not None:
-        from localllm.quant import check_method
-
-        quant = check_method(quant)  # an unknown method fails before the model is fetched
-    path = store.resolve(name)
-    ckpt = open_checkpoint(path)
     cfg = ckpt.config
-    cpu_build.expect(kernel_needs(ckpt), progress)  # before any kernel call: a first build stages for it
     hw = probe_hardware()
     if device is not None and device not in ("cpu", "cuda"):
         raise LocalLLMError(f"--device {device!r}: use cpu or cuda")
@@ -263,12 +244,50 @@ def load_model(
     cpu_gguf = gpu_gguf = gguf_weights = None
     if ckpt.format == "gguf" and not pre_quant and quant in (None, "gguf"):
         cpu_gguf, gpu_gguf, gguf_weights = gguf_plan_inputs(ckpt, hw, dtype, quant == "gguf")
-    plan = make_plan(
-        cfg, hw, context=max_model_len or context, chats=chats, quant=None if quant == "gguf" else plan_quant,
+    return make_plan(
+        cfg, hw, context=context, chats=chats, quant=None if quant == "gguf" else plan_quant,
         dtype=None if dtype == "auto" else dtype, gpu_memory_utilization=gpu_memory_utilization,
-        block_size=block_size, cpu_gguf=cpu_gguf, cpu_compile=compile, name=name or store.DEFAULT_MODEL,
-        kv_cache_dtype=kv_cache_dtype, gguf=gguf_weights, gpu_gguf=gpu_gguf,
+        block_size=block_size, cpu_gguf=cpu_gguf, cpu_compile=compile, name=name,
+        kv_cache_dtype=kv_cache_dtype, gguf=gguf_weights, gpu_gguf=gpu_gguf, beside=beside,
     )
+
+
+def load_model(
+    name: str | None,
+    *,
+    dtype: str = "auto",
+    device: str | None = None,
+    quant: str | None = None,
+    max_model_len: int | None = None,
+    context: int | None = None,
+    chats: int = 4,
+    num_kv_blocks: int | None = None,
+    block_size: int = 16,
+    gpu_memory_utilization: float = 0.9,
+    kv_cache_dtype: str = "auto",
+    progress: Callable[[str, int, int], None] | None = None,
+    compile: bool = True,
+    beside: Beside | None = None,
+) -> LoadedModel:
+    """Resolves (pulling if needed), plans against this machine, and loads. ``progress`` gets
+    ``(stage, done, total)``. ``beside``: a draft model sharing the memory budget."""
+    from localllm import store
+    from localllm.kernels._triton import rehearsing
+
+    if quant is not None:
+        from localllm.quant import check_method
+
+        quant = check_method(quant)  # an unknown method fails before the model is fetched
+    path = store.resolve(name)
+    ckpt = open_checkpoint(path)
+    cfg = ckpt.config
+    cpu_build.expect(kernel_needs(ckpt), progress)  # before any kernel call: a first build stages for it
+    plan = plan_checkpoint(
+        ckpt, path, name or store.DEFAULT_MODEL, dtype=dtype, device=device, quant=quant,
+        context=max_model_len or context, chats=chats, block_size=block_size,
+        gpu_memory_utilization=gpu_memory_utilization, kv_cache_dtype=kv_cache_dtype, compile=compile, beside=beside,
+    )
+    pre_quant = (cfg.quantization or {}).get("quant_method")
     dev = torch.device(plan.device)
     torch_dtype = _DTYPES[plan.weight_dtype]
     kv_dtype = _KV_DTYPES[plan.kv_dtype]

@@ -168,6 +168,27 @@ def test_measured_costs_follow_the_load() -> None:
     assert costs.ratio(1, 2) > 2.5
 
 
+def test_a_size_seen_once_in_a_compiling_step_does_not_price_itself_out() -> None:
+    # an H200 run: the first 2-row step compiled the GGUF head's kernel (3.3 s against 1.7 ms
+    # for one row); a step of more rows measured since bounds it, and the sizes between
+    costs = SpecCosts()
+    costs.observe(1, 1.7e-3)
+    costs.observe(2, 3.25)
+    assert costs.ratio(1, 1) == pytest.approx(2.0)  # at most two one-row steps
+    costs.observe(6, 3.8e-3)
+    assert costs.ratio(1, 1) == pytest.approx(2.0)
+    assert costs.ratio(1, 3) == pytest.approx(3.8 / 1.7)
+    assert choose_k([0.95], [5], costs)[0] == 5
+    costs.observe(12, 1.13)  # the largest size seen, compiling: bounded by 2 x the 6-row step
+    assert costs.ratio(6, 6) == pytest.approx(2.0)
+
+
+def test_verify_rows_set_the_graph_batch() -> None:
+    config = SpeculativeConfig(num_speculative_tokens=5, disable_by_batch_size=4)
+    assert config.max_verify_rows(16) == 24  # 4 sequences x (1 + 5) rows: more than 16 decodes
+    assert config.max_verify_rows(2) == 12
+
+
 def _decoding_alone(max_num_seqs: int) -> tuple[Scheduler, Sequence]:
     """A scheduler (proposals off above 4 sequences) with one request prefilled and past its
     first token, whose tokens repeat: its next step has a proposal to verify."""

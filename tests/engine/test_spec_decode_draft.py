@@ -130,6 +130,9 @@ def draft_engine(default_model_path: Path):
     # a draft as costly as its target never pays: measured as free here, so that it is run
     # (what is tested is the output, not the policy)
     assert engine.drafter is not None
+    # the draft's memory came out of the target's plan (its weights and a mirror of each KV token)
+    assert engine.plan.beside_bytes > 0
+    assert any(r.startswith("draft model ") for r in engine.plan.reasons)
     engine.drafter.step_cost = lambda rows: 1e-9  # type: ignore[method-assign]
     return engine
 

@@ -10,7 +10,7 @@ from test_hw_sizing import EngineConfig
 
 from localllm.catalog import load_catalog
 from localllm.errors import LocalLLMError
-from localllm.hardware.planner import CPU_FIRST_COMPILE_BYTES, DoesNotFit, Plan, compare_memory, decode_tokens_per_s, plan
+from localllm.hardware.planner import CPU_FIRST_COMPILE_BYTES, Beside, DoesNotFit, Plan, compare_memory, decode_tokens_per_s, plan
 from localllm.hardware.probe import GiB, MiB, Hardware, find_known_gpu, hardware_for_gpu, lookup_gpu
 from localllm.hardware.sizing import gguf_catalog_weights
 
@@ -214,6 +214,26 @@ def test_the_reserve_and_margin_are_never_planned(
         assert e.nearest is not None
         p = e.nearest
     assert hw.gpus[0].free_bytes - p.total_bytes >= p.reserve_bytes + p.margin_bytes > 0
+
+
+def test_a_draft_model_takes_its_share_before_the_kv_pool_is_sized() -> None:
+    # an H200 run: the target's pool took the card and the draft's mirror of it (as many
+    # blocks) did not fit; with the draft beside, both pools and the draft's weights fit
+    hw = _held_by_others(gpu_hw("RTX 4090"), 2)
+    target, draft = CATALOG["llama-3.1-8b-instruct"], CATALOG["llama-3.2-1b-instruct"]
+    alone = plan(target, hw, quant="awq")
+    d = plan(draft, hw, chats=1)
+    beside = Beside(d.model, d.weight_bytes + d.workspace_bytes + d.runtime_bytes, d.kv_bytes_per_token)
+    p = plan(target, hw, quant="awq", beside=beside)
+    assert p.beside_bytes == beside.bytes + p.kv_tokens * beside.kv_bytes_per_token
+    assert p.num_kv_blocks < alone.num_kv_blocks
+    assert p.weight_bytes + p.kv_bytes + p.overhead_bytes + p.beside_bytes == p.total_bytes <= p.budget_bytes
+    assert hw.gpus[0].free_bytes - p.total_bytes >= p.reserve_bytes + p.margin_bytes
+    assert p.expected_measured_bytes == alone.expected_measured_bytes - alone.kv_bytes + p.kv_bytes  # the target's own
+    assert any(r.startswith(f"draft model {d.model}:") for r in p.reasons) and "draft model" in p.summary()
+    # on a CPU the pool is what the chats need: the draft only has to fit beside it
+    cpu = plan(CATALOG["qwen2.5-0.5b-instruct"], cpu_hw(), beside=beside)
+    assert cpu.beside_bytes == beside.bytes + cpu.kv_tokens * beside.kv_bytes_per_token
 
 
 def test_a_card_too_small_refuses_in_one_line_naming_the_nearest_plan() -> None:

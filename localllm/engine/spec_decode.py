@@ -224,13 +224,18 @@ class SpecCosts:
     the machine's load): plain decodes are one row each, a speculative decode one per
     position. Writer: the engine, after each decode-only step."""
 
-    __slots__ = ("times", "_seen")
+    __slots__ = ("times", "_seen", "_memo")
 
     def __init__(self) -> None:
         self.times: dict[int, float] = {}
         self._seen: dict[int, int] = {}
+        # each size's estimate until the next observation: choose_k asks for the same few
+        # sizes for every sequence and k of a step (scanning the table each time was most of a
+        # step's scheduling, ~40 us, with a draft model)
+        self._memo: dict[int, float | None] = {}
 
     def observe(self, rows: int, seconds: float) -> None:
+        self._memo.clear()
         old = self.times.get(rows)
         seen = self._seen[rows] = self._seen.get(rows, 0) + 1
         if old is None or seen <= WARMUP_STEPS:
@@ -256,6 +261,11 @@ class SpecCosts:
         return max(b / a, 1.0)
 
     def _time(self, rows: int) -> float | None:
+        if rows not in self._memo:
+            self._memo[rows] = self._estimate(rows)
+        return self._memo[rows]
+
+    def _estimate(self, rows: int) -> float | None:
         t = self.times
         if rows in t:
             est = t[rows]
@@ -287,6 +297,10 @@ def choose_k(acceptances: Seq[float], max_k: Seq[int], costs: SpecCosts, draft_c
     ks: list[int] = []
     for a, top in zip(acceptances, max_k):
         best, best_gain = 0, 1.0
+        # no k can pay when even free rows would not: at most 1/(1 - a) tokens for at least
+        # one draft step (a draft model stepping aside costs its requests nothing then)
+        if draft_cost > 0.0 and a < 1.0 and n - 1 + 1.0 / (1.0 - a) <= n * (1.0 + draft_cost):
+            top = 0
         for k in range(1, top + 1):
             # as if this sequence alone speculated: its tokens over what its rows add to the step
             gain = (n - 1 + expected_tokens(a, k)) / (n * (costs.ratio(n, k) + k * draft_cost))

@@ -183,6 +183,25 @@ def test_a_size_seen_once_in_a_compiling_step_does_not_price_itself_out() -> Non
     assert costs.ratio(6, 6) == pytest.approx(2.0)
 
 
+def test_a_request_no_draft_can_pay_for_is_skipped_only_where_no_k_pays() -> None:
+    # choose_k skips the k search when even free rows could not pay for one draft step; that
+    # holds only if every k's gain is then at most 1, whatever the measured costs
+    costs = SpecCosts()
+    for rows, t in ((1, 10.0), (2, 10.1), (4, 10.3), (6, 10.6), (9, 11.0)):
+        costs.observe(rows, t)
+    skipped = 0
+    for n in (1, 2, 3):
+        for a in (0.0, 0.05, 0.1, 0.3, 0.5, 0.7, 0.9, 0.99):
+            for dc in (0.02, 0.1, 0.3, 0.6, 1.0):
+                if n - 1 + 1 / (1 - a) <= n * (1 + dc):
+                    skipped += 1
+                    assert all((n - 1 + expected_tokens(a, k)) / (n * (costs.ratio(n, k) + k * dc)) <= 1.0
+                               for k in range(1, 9))
+                    assert choose_k([a] * n, [8] * n, costs, dc) == [0] * n
+    assert skipped > 20
+    assert choose_k([0.9], [4], costs, 0.1)[0] > 0  # a draft worth running still runs
+
+
 def test_verify_rows_set_the_graph_batch() -> None:
     config = SpeculativeConfig(num_speculative_tokens=5, disable_by_batch_size=4)
     assert config.max_verify_rows(16) == 24  # 4 sequences x (1 + 5) rows: more than 16 decodes

@@ -865,11 +865,27 @@ def decode_weight_bytes(cfg: dict[str, Any], quant: str, group: int = 128) -> fl
     return layers * per_layer + v * h * 2 + h * 2 + h * 2
 
 
+def timed_greedy(torch: Any, llm: Any, prompts: list[list[int]], max_tokens: int) -> tuple[list[Any], float]:
+    """``llm.generate`` of greedy replies of exactly ``max_tokens`` (EOS ignored), and its wall
+    time with the device's queue drained at both ends."""
+    from localllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+    cuda = llm.engine.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    outs = llm.generate(prompts, sp)
+    if cuda:
+        torch.cuda.synchronize()
+    return outs, time.perf_counter() - t
+
+
 def section_e2e(
     out: dict[str, Any], torch: Any, device: str, smoke: bool, peak_bw: float, quants: list[str],
     layers: int, deadline: Deadline, with_hf: bool, save: Callable[[], None],
 ) -> None:  # fmt: skip
-    from localllm import LLM, SamplingParams
+    from localllm import LLM
 
     cfg = dict(LLAMA31_8B, num_hidden_layers=layers)
     if smoke:
@@ -891,16 +907,8 @@ def section_e2e(
         return torch.randint(1000 if not smoke else 10, vocab - 10, (n, prompt_len), generator=gen).tolist()
 
     def timed(llm: Any, batch: int, max_tokens: int) -> tuple[float, int]:
-        ps = prompts(batch, llm.engine.tokenizer.vocab_size)
-        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        outs = llm.generate(ps, sp)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        n_tok = sum(len(o.outputs[0].token_ids) for o in outs)
-        return time.perf_counter() - t, n_tok
+        outs, seconds = timed_greedy(torch, llm, prompts(batch, llm.engine.tokenizer.vocab_size), max_tokens)
+        return seconds, sum(len(o.outputs[0].token_ids) for o in outs)
 
     results = out.setdefault("runs", {})
     # Runs that are not a weight quantization: bf16 weights with another engine option; "gguf":

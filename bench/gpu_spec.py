@@ -115,7 +115,7 @@ def copy_prompt(torch: Any, vocab: int, gen: Any, tail: int = 4) -> list[int]:
 
 def run_case(torch: Any, name: str, model: str, options: dict[str, Any], spec: dict[str, Any], smoke: bool,
              out: dict[str, Any], copy: bool = False) -> None:
-    from localllm import LLM, SamplingParams
+    from localllm import LLM
 
     device = "cpu" if smoke else "cuda"
     t0 = time.monotonic()
@@ -136,14 +136,7 @@ def run_case(torch: Any, name: str, model: str, options: dict[str, Any], spec: d
 
     def generate(prompts: list[list[int]], max_tokens: int, on: bool) -> tuple[list[Any], float]:
         engine.set_speculative(config if on else None)
-        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        outs = llm.generate(prompts, sp)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        return outs, time.perf_counter() - t
+        return gpu_check.timed_greedy(torch, llm, prompts, max_tokens)
 
     def tokens(outs: list[Any]) -> list[list[int]]:
         return [list(o.outputs[0].token_ids) for o in outs]

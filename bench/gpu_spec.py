@@ -10,10 +10,12 @@ their wheels travel in ``.whl``, as for bench/gpu_check.py):
     python bench/gpu_spec.py --smoke   # CPU, tiny shapes, Triton interpreter: this script's own paths
 
 The models are gpu_check's random-weight Llama-3.1-8B-shaped ones (a few layers; the GPU
-machine cannot download a real model): bf16 safetensors and the same shapes as a Q4_K_M GGUF,
-each with and without ``deterministic`` (batch-invariant kernels: a row's numbers do not
-depend on the rows beside it, so greedy output must be the same bit for bit), then a
-draft model made of the bf16 target's first layers (layer-skip drafting: its own CUDA graphs).
+machine cannot download a real model), as cases (``--cases``): ``copy``, the bf16 target made
+to copy its prompt (``build_counting_copy``: the speed-up at full acceptance); ``bf16`` and
+``bf16-det`` (``deterministic``: a row's numbers do not depend on the rows beside it, so greedy
+output must be the same bit for bit); ``draft``, a draft model made of the bf16 target's first
+layer (layer-skip drafting: its own CUDA graphs); ``gguf``, the same shapes as a Q4_K_M GGUF
+(``--deterministic`` does not cover GGUF plans on a GPU).
 One engine per case; speculation is switched on and off in it (``LLMEngine.set_speculative``)
 so both sides share the model, the pool and the graphs. Per case:
 - greedy: six prompts together (two pairs sharing a prefix: prefix hits) and one alone, off
@@ -35,7 +37,6 @@ import json
 import os
 import statistics
 import sys
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -113,7 +114,7 @@ def copy_prompt(torch: Any, vocab: int, gen: Any, tail: int = 4) -> list[int]:
     return rand(64) + list(range(start, start + span)) + rand(32) + list(range(start + 50, start + 50 + tail))
 
 
-def run_case(torch: Any, name: str, model: str, options: dict[str, Any], spec: dict[str, Any], smoke: bool,
+def run_case(torch: Any, model: str, options: dict[str, Any], spec: dict[str, Any], smoke: bool,
              out: dict[str, Any], copy: bool = False) -> None:
     from localllm import LLM
 
@@ -239,7 +240,7 @@ def main() -> int:
         return 0
     report = gpu_check.Report(Path(args.out) if args.out else Path(os.environ.get("OUT", ".")) / "gpu_spec.json")
     report.data["package"] = gpu_check.package_or_error()
-    gpu_check.start_watchdog(report, args.budget + 60)
+    watchdog = gpu_check.start_watchdog(report, args.budget + 60)
     deadline = gpu_check.Deadline(args.budget)
     device = "cpu" if args.smoke else "cuda"
     if not args.smoke:
@@ -272,18 +273,18 @@ def main() -> int:
                 if gguf_path is None:
                     gguf_path = root / f"{folder.name}.Q4_K_M.gguf"
                     report.data["gguf"] = gpu_check.build_q4_k_m_gguf(torch, gguf_path, cfg)
-                run_case(torch, name, str(gguf_path), det, ngram, args.smoke, out)
+                run_case(torch, str(gguf_path), det, ngram, args.smoke, out)
             elif name == "copy":
                 counting = build_counting_copy(folder, root / f"{folder.name}.counting")
-                run_case(torch, name, counting["folder"], {"dtype": dtype}, ngram, args.smoke, out, copy=True)
+                run_case(torch, counting["folder"], {"dtype": dtype}, ngram, args.smoke, out, copy=True)
             elif name == "draft":
                 draft = build_layer_skip_draft(folder, root / f"{folder.name}.draft1", 1)
                 out["draft"] = draft
                 spec = {"method": "draft_model", "model": draft["folder"], "num_speculative_tokens": 4,
                         "disable_by_batch_size": 8}
-                run_case(torch, name, str(folder), {"dtype": dtype}, spec, args.smoke, out)
+                run_case(torch, str(folder), {"dtype": dtype}, spec, args.smoke, out)
             else:
-                run_case(torch, name, str(folder), {"dtype": dtype, **det}, ngram, args.smoke, out)
+                run_case(torch, str(folder), {"dtype": dtype, **det}, ngram, args.smoke, out)
         except Exception as e:  # noqa: BLE001 - a case's failure is data; the next case runs
             out["error"] = f"{type(e).__name__}: {e}"
             out["traceback"] = traceback.format_exc()[-3000:]
@@ -293,9 +294,7 @@ def main() -> int:
     report.data["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     report.save()
     print(f"gpu_spec: wrote {report.path}")
-    for t in threading.enumerate():  # the watchdog timer must not keep the process
-        if isinstance(t, threading.Timer):
-            t.cancel()
+    watchdog.cancel()  # its timer must not keep the process
     return 0
 
 

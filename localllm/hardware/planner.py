@@ -131,6 +131,13 @@ class Beside:
     bytes: int
     kv_bytes_per_token: int
 
+    def bytes_for(self, kv_tokens: int) -> int:
+        """All it takes beside a pool of ``kv_tokens`` tokens."""
+        return self.bytes + kv_tokens * self.kv_bytes_per_token
+
+
+NO_BESIDE = Beside("", 0, 0)
+
 
 @dataclass(frozen=True, slots=True)
 class Plan:
@@ -294,7 +301,7 @@ class _Target:
     others: int = 0  # GPU only: what other processes hold
     margin: int = 0  # GPU only: kept free for the desktop to grow
     util: float = 1.0
-    beside: Beside | None = None  # a draft model sharing the budget
+    beside: Beside = NO_BESIDE  # a draft model sharing the budget
 
 
 @dataclass(frozen=True, slots=True)
@@ -522,9 +529,8 @@ def _fit(model: ModelDims, t: _Target, rung: _Rung, graphs: bool, batched_tokens
             c = param_counts(model)
             runtime += int(c.block_linear / 2 + c.awq_groups * 4)
     kvpt = kv_bytes_per_token(model, kv_dtype)
-    beside, beside_kvpt = (t.beside.bytes, t.beside.kv_bytes_per_token) if t.beside is not None else (0, 0)
-    free = budget - (weights + workspace + runtime + context + beside)
-    capacity = max(0, free) // (kvpt + beside_kvpt) // block_size * block_size
+    free = budget - (weights + workspace + runtime + context + t.beside.bytes)
+    capacity = max(0, free) // (kvpt + t.beside.kv_bytes_per_token) // block_size * block_size
     return _Fit(rung, graphs, batched_tokens, weights, workspace, runtime, context, kv_dtype, kvpt, capacity,
                 budget, reserve, candidate and rung.quant in CANDIDATE_BYTES_PER_WEIGHT)
 
@@ -595,7 +601,8 @@ def plan(
     wanted = context if context is not None else min(model_max or DEFAULT_CONTEXT, DEFAULT_CONTEXT)
     need = wanted * chats
     t = _target(hw, gpu_memory_utilization)
-    t = replace(t, cpu_runtime=CPU_RUNTIME_BYTES + (CPU_COMPILE_BYTES if cpu_compile else 0), beside=beside)
+    t = replace(t, cpu_runtime=CPU_RUNTIME_BYTES + (CPU_COMPILE_BYTES if cpu_compile else 0),
+                beside=beside or NO_BESIDE)
     ladder = _ladder(t, hw, quant, dtype)
     if t.device == "cpu" and cpu_gguf and (quant in (None, "gguf")) and dtype is None:
         ladder = [_Rung("float32", "gguf", cpu_gguf)] + ([] if quant else ladder)
@@ -706,7 +713,7 @@ def plan(
         reasons.append(_reserve_reason(t, chosen))
     beside_bytes = 0
     if beside is not None:
-        beside_bytes = beside.bytes + num_blocks * block_size * beside.kv_bytes_per_token
+        beside_bytes = beside.bytes_for(num_blocks * block_size)
         reasons.append(f"draft model {beside.name}: {fmt_bytes(beside_bytes)} of the budget ({fmt_bytes(beside.bytes)}"
                        f" weights and activations, {fmt_bytes(beside.kv_bytes_per_token)} of KV per token of this"
                        " pool, which its own mirrors)")
@@ -758,8 +765,7 @@ def _does_not_fit(
     label = precision_label(last.rung.weight_dtype, last.rung.quant)
     if last.kv_dtype == "fp8":
         label += " with an fp8 KV cache"
-    extra, extra_kvpt = (t.beside.bytes, t.beside.kv_bytes_per_token) if t.beside is not None else (0, 0)
-    needed = last.fixed + extra + wanted * chats * (last.kvpt + extra_kvpt)
+    needed = last.fixed + wanted * chats * last.kvpt + t.beside.bytes_for(wanted * chats)
     # the nearest plans keep a GGUF file's blocks where this one would have (``gguf_lines``)
     kwargs: dict[str, Any] = dict(quant=quant, dtype=dtype, gpu_memory_utilization=util, block_size=block_size,
                                   kv_cache_dtype=kv_cache_dtype, suggest_models=False, gguf=gguf, **(gguf_lines or {}))

@@ -225,7 +225,7 @@ def test_a_draft_model_takes_its_share_before_the_kv_pool_is_sized() -> None:
     d = plan(draft, hw, chats=1)
     beside = Beside(d.model, d.weight_bytes + d.workspace_bytes + d.runtime_bytes, d.kv_bytes_per_token)
     p = plan(target, hw, quant="awq", beside=beside)
-    assert p.beside_bytes == beside.bytes + p.kv_tokens * beside.kv_bytes_per_token
+    assert p.beside_bytes == beside.bytes + p.kv_tokens * beside.kv_bytes_per_token == beside.bytes_for(p.kv_tokens)
     assert p.num_kv_blocks < alone.num_kv_blocks
     assert p.weight_bytes + p.kv_bytes + p.overhead_bytes + p.beside_bytes == p.total_bytes <= p.budget_bytes
     assert hw.gpus[0].free_bytes - p.total_bytes >= p.reserve_bytes + p.margin_bytes
